@@ -74,11 +74,13 @@ def process_logits(
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if top_p is not None:
         p = top_p.float().reshape(top_p.shape + (1,) * (len(lead) - top_p.dim())).expand(lead)
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        # stable: tied logits keep index order, so the result is the same on every device
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
         probs_sorted = torch.softmax(sorted_logits, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept);
+        # top_p >= 1 keeps everything (the cumulative sum can round to 1 before the tail)
         mass_before = probs_sorted.cumsum(-1) - probs_sorted
-        drop_sorted = mass_before >= p.unsqueeze(-1)
+        drop_sorted = (mass_before >= p.unsqueeze(-1)) & (p.unsqueeze(-1) < 1.0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
@@ -123,7 +125,8 @@ def verify(
     rejection emit a sample from ``norm(max(p_t - p_d, 0))``; if all ``l`` are accepted emit
     a bonus sample from ``p_t`` at position ``l``. Greedy rows (temperature 0) accept while
     the draft equals the target argmax and emit the argmax. ``draft_probs`` may be None when
-    every row is greedy.
+    every row is greedy. A draft token outside ``[0, V)`` inside the verified prefix is
+    rejected (never emitted).
 
     Example (greedy, K=2, V=3): drafts [[2, 1]], target argmaxes [2, 0, 1], l=[2] ->
     num_accepted [1], output_tokens [[2, 0, -1]].
@@ -141,7 +144,7 @@ def verify(
     if draft_probs is None:
         if not bool(greedy.all()):
             raise ValueError("draft_probs is required for sampled (temperature > 0) rows")
-        draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(min=0), V).float()
+        draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(0, V - 1), V).float()
     if draft_probs.shape != (R, K, V):
         raise ValueError(f"draft_probs must be [R, K, V] = [{R}, {K}, {V}], got {tuple(draft_probs.shape)}")
 
@@ -154,7 +157,8 @@ def verify(
     u = _uniforms(seed.cpu(), offset.cpu(), K + 1, device)  # [R, K+1]: K accept tests + 1 final sample
 
     rows = torch.arange(R, device=device)
-    x = draft_tokens.clamp(min=0)
+    valid = (draft_tokens >= 0) & (draft_tokens < V)  # [R, K]
+    x = draft_tokens.clamp(0, V - 1)
     pt_x = p_t[:, :K].gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [R, K]
     pd_x = p_d.gather(-1, x.unsqueeze(-1)).squeeze(-1).double()  # [R, K]
     ratio = torch.where(pd_x > 0, pt_x / pd_x.clamp(min=1e-300), torch.zeros_like(pt_x))
@@ -162,7 +166,7 @@ def verify(
     ok_greedy = x == target_logits[:, :K].argmax(-1)
     ok = torch.where(greedy.unsqueeze(-1), ok_greedy, ok_sampled)
     in_range = torch.arange(K, device=device).unsqueeze(0) < verify_lens.unsqueeze(-1)
-    ok = ok & in_range
+    ok = ok & in_range & valid
     # accepted prefix length: index of the first failure (or l if none)
     n = torch.cumprod(ok.long(), dim=-1).sum(-1)  # [R]
 
@@ -181,6 +185,12 @@ def verify(
     out[:, :K] = torch.where(keep[:, :K], x, out[:, :K])
     out[rows, n] = final
     return VerifyResult(num_accepted=n, output_tokens=out, num_emitted=n + 1)
+
+
+# tau adds survival values rounded to this grid (2^-36): every partial sum up to 2^17 batch
+# tokens is then exact in float64, so a parallel scan (the CUDA kernel) returns the same
+# bits as this sequential loop. The rounding (< 1.5e-11) is far below any SPS effect.
+TAU_GRID = 2.0**36
 
 
 def prefix_survival(confidence: torch.Tensor) -> torch.Tensor:
@@ -205,9 +215,13 @@ def schedule_prefix(
     x_{j-1} through the Markov feature, never on x_j). ``early_stop=False`` gives the
     retrospective global search of the report's Appendix A, which biases the output
     distribution; it exists only so tests can demonstrate that.
+
+    Bit-reproducible: a is the left-to-right float64 product computed on the CPU, and tau
+    adds the a values rounded to multiples of 2^-36 (``TAU_GRID``) so that every partial
+    sum is exact and the CUDA kernel's parallel scan gives the same bits.
     """
     R, K = confidence.shape
-    a = prefix_survival(confidence).cpu()
+    a = prefix_survival(confidence.cpu())  # CPU cumprod: sequential, same bits everywhere
     sps = sps.double().cpu()
     cap = torch.full((R,), K, dtype=torch.long) if max_lens is None else max_lens.long().cpu().clamp(0, K)
     n_max = sps.numel() - 1
@@ -221,10 +235,11 @@ def schedule_prefix(
     # stable sort on (-a, r, j): flatten order is already (r, j) ascending
     order = torch.sort(-flat[valid], stable=True).indices
     cand_r, cand_j, cand_a = r_idx[valid][order], j_idx[valid][order], flat[valid][order]
+    cand_q = torch.round(cand_a * TAU_GRID) / TAU_GRID  # exact-sum grid for tau
     batch, tau = R, float(R)
     best = tau * float(sps[batch])
     current = lens.clone()
-    for r, j, ar in zip(cand_r.tolist(), cand_j.tolist(), cand_a.tolist()):
+    for r, j, ar in zip(cand_r.tolist(), cand_j.tolist(), cand_q.tolist()):
         batch += 1
         tau += ar
         current[r] = j + 1

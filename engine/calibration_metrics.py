@@ -1,0 +1,93 @@
+"""Calibration metrics for binary predictions: ECE, Brier score, ROC-AUC, reliability bins.
+
+Standalone (numpy only) so that STS calibration, evaluation and plots can share them
+without importing the training stack. Inputs may be numpy arrays, torch tensors or lists;
+everything is computed in float64 on the CPU.
+
+- ``ece``: expected calibration error with ``n_bins`` equal-width bins on [0, 1]:
+  ``sum_b (n_b / n) * |mean(p in b) - mean(y in b)|``. A probability of exactly 1 falls
+  in the last bin.
+- ``brier``: mean squared error ``mean((p - y)^2)``.
+- ``roc_auc``: probability that a random positive scores above a random negative (ties
+  count one half), i.e. the normalised Mann-Whitney U statistic. NaN if only one class
+  is present.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ece", "brier", "roc_auc", "reliability_bins", "bin_index"]
+
+
+def _as_1d(x: Any, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, without importing torch here
+        x = x.detach().cpu().double().numpy()
+    arr = np.asarray(x, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains non-finite values")
+    return arr
+
+
+def _check_pair(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    p = _as_1d(probs, "probs")
+    y = _as_1d(labels, "labels")
+    if p.shape != y.shape:
+        raise ValueError(f"probs and labels must have the same length, got {p.size} and {y.size}")
+    return p, y
+
+
+def bin_index(probs: np.ndarray, n_bins: int) -> np.ndarray:
+    """Equal-width bin of each probability in [0, 1] -> int array in [0, n_bins)."""
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    return np.clip(np.floor(np.asarray(probs) * n_bins), 0, n_bins - 1).astype(np.int64)
+
+
+def reliability_bins(probs: Any, labels: Any, n_bins: int = 15) -> dict[str, np.ndarray]:
+    """Per-bin ``count``, ``mean_prob`` and ``accuracy`` (NaN for empty bins), and ``edges``."""
+    p, y = _check_pair(probs, labels)
+    b = bin_index(p, n_bins)
+    count = np.bincount(b, minlength=n_bins).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_prob = np.bincount(b, weights=p, minlength=n_bins) / count
+        accuracy = np.bincount(b, weights=y, minlength=n_bins) / count
+    return {"count": count, "mean_prob": mean_prob, "accuracy": accuracy,
+            "edges": np.linspace(0.0, 1.0, n_bins + 1)}
+
+
+def ece(probs: Any, labels: Any, n_bins: int = 15) -> float:
+    """Expected calibration error (equal-width bins); 0.0 for empty input."""
+    p, y = _check_pair(probs, labels)
+    if p.size == 0:
+        return 0.0
+    b = bin_index(p, n_bins)
+    gap = np.bincount(b, weights=p, minlength=n_bins) - np.bincount(b, weights=y, minlength=n_bins)
+    return float(np.abs(gap).sum() / p.size)
+
+
+def brier(probs: Any, labels: Any) -> float:
+    """Mean squared error between probabilities and 0/1 labels; NaN for empty input."""
+    p, y = _check_pair(probs, labels)
+    return float(np.mean((p - y) ** 2)) if p.size else float("nan")
+
+
+def roc_auc(scores: Any, labels: Any) -> float:
+    """ROC-AUC via average ranks (ties count one half); NaN when a class is missing."""
+    s, y = _check_pair(scores, labels)
+    pos = y > 0.5
+    n_pos = int(pos.sum())
+    n_neg = s.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    sorted_s = s[order]
+    ranks = np.empty(s.size, dtype=np.float64)
+    # average rank (1-based) over each run of equal scores
+    starts = np.flatnonzero(np.r_[True, sorted_s[1:] != sorted_s[:-1]])
+    ends = np.r_[starts[1:], s.size]
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))

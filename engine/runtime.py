@@ -1,0 +1,445 @@
+"""The speculative decoding engine: in-flight batching over a target and a drafter.
+
+One ``step()``:
+1. admit queued requests into free slots (requests join between steps);
+2. prefill: requests still reading their prompt run one chunk (``prefill_chunk`` tokens)
+   so a long prompt never stalls the running batch for more than one chunk; a request
+   whose prompt is done samples its first token from the target;
+3. decode: the drafter proposes a block for every decoding request, the verify-length
+   policy picks how many drafts each request verifies (``l_r``), the target runs the
+   ragged batch ``[anchor, d_1..d_l]`` once, and ``plugins.verify`` accepts a prefix and
+   emits a recovered or bonus token (lossless for greedy and sampled requests);
+4. accepted tokens are committed (rejected K/V are trimmed by length), streamed to each
+   request's callback, and finished requests leave (their slots are compacted).
+
+``mode="target_only"`` is the same engine with every verify length 0: plain decoding,
+the baseline for every speculative comparison.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.plugins import reference as verify_ref
+
+from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
+from .draft_runner import make_draft_runner
+from .scheduler import make_scheduler
+from .target_runner import TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+def _verify_fn():
+    """The plugins op when present (CUDA kernels), else the reference."""
+    try:
+        from dspark.plugins import ops
+        return ops.verify
+    except ImportError:
+        return verify_ref.verify
+
+
+@dataclass
+class EngineConfig:
+    mode: str = "spec"  # spec | target_only
+    scheduler: str = "fixed"  # fixed | threshold | algorithm1 | async
+    threshold: float = 0.3  # for the static threshold policy
+    max_batch: int = 64
+    max_context: int = 2048
+    prefill_chunk: int = 256
+    seed: int = 0
+    record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    callback: OutputCallback
+    slot: int = -1
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    anchor: int | None = None
+    pending_aux: torch.Tensor | None = None  # features of committed positions awaiting their next token
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    seed: int = 0
+    t_submit: float = 0.0
+
+
+@dataclass
+class RoundRecord:
+    request_id: str
+    verify_len: int
+    accepted: int
+    conf_logits: list[float] | None
+
+
+class SpecEngine:
+    """Batched speculative decoding (implements ``engine.api.GenerationEngine``)."""
+
+    def __init__(self, target, drafter=None, config: EngineConfig | None = None, sps=None, sts_temperatures=None):
+        self.cfg = config or EngineConfig()
+        if self.cfg.mode not in ("spec", "target_only"):
+            raise ValueError(f"mode must be spec or target_only, got {self.cfg.mode!r}")
+        if self.cfg.mode == "spec" and drafter is None:
+            raise ValueError("speculative mode needs a drafter checkpoint (build one with scripts/build_engine.sh)")
+        self.target = target
+        self.max_context = self.cfg.max_context
+        self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context)
+        self.drafter = drafter if self.cfg.mode == "spec" else None
+        self.draft_runner = make_draft_runner(drafter, self.cfg.max_batch) if self.drafter is not None else None
+        self.K = drafter.cfg.block_size if self.drafter is not None else 0
+        has_conf = self.drafter is not None and getattr(self.drafter, "confidence", None) is not None
+        sched = self.cfg.scheduler if has_conf else "fixed"
+        if sched in ("algorithm1", "async") and sps is None:
+            raise ValueError(f"scheduler {sched!r} needs an SPS table (dspark profile)")
+        kwargs = {"sps": sps} if sched in ("algorithm1", "async") else {}
+        if sched == "threshold":
+            kwargs = {"threshold": self.cfg.threshold}
+        self.policy = make_scheduler(sched, **kwargs)
+        self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
+        self.verify = _verify_fn()
+        self.device = self.runner.device
+        self._gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
+        self._queue: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.rounds: list[RoundRecord] = []
+        self.stats = {"steps": 0, "rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
+                      "accepted_per_position": [0] * max(self.K, 1), "verify_len_hist": [0] * (self.K + 1),
+                      "batch_size_sum": 0}
+
+    # -- public API -------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback) -> None:
+        if not prompt_ids:
+            raise RequestValidationError("the prompt is empty")
+        params.validate()
+        if len(prompt_ids) + params.max_tokens + self.K + 1 > self.max_context:
+            raise RequestValidationError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {self.max_context}")
+        vocab = self.target.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestValidationError(f"prompt token ids must lie in [0, {vocab})")
+        seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
+        req = _Request(request_id, list(prompt_ids), params, on_output, seed=seed, t_submit=time.perf_counter())
+        with self._wake:
+            self._queue.append(req)
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            for r in list(self._queue) + self._active:
+                if r.rid == request_id:
+                    r.cancelled = True
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            for r in list(self._queue) + self._active:
+                r.cancelled = True
+        self._reap()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._active)
+
+    def run_until_done(self) -> None:
+        """Synchronous driver (tests, eval, benchmarks): step until every request finished."""
+        while self.has_work():
+            self.step()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._running and not (self._queue or self._active):
+                    self._wake.wait(timeout=0.5)
+                if not self._running:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # never let one bad step kill the server: fail the batch, keep serving
+                log.exception("engine step failed")
+                with self._lock:
+                    victims = list(self._active)
+                for r in victims:
+                    self._finish(r, "error", error=f"engine step failed: {exc}")
+                self._reap()
+
+    def step(self) -> None:
+        self._reap()
+        self._admit()
+        prefilling = [r for r in self._active if r.anchor is None and not r.finished]
+        if prefilling:
+            self._prefill(prefilling)
+        decoding = [r for r in self._active if r.anchor is not None and not r.finished]
+        if decoding:
+            self._decode(decoding)
+        self.stats["steps"] += 1
+        self._reap()
+
+    # -- phases ---------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            while self._queue and len(self._active) < self.cfg.max_batch:
+                r = self._queue.popleft()
+                if r.cancelled:
+                    self._finish(r, "cancelled")
+                    continue
+                r.slot = len(self._active)
+                self.runner.set_length(r.slot, 0)
+                if self.draft_runner is not None:
+                    self.draft_runner.reset(r.slot)
+                self._active.append(r)
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        chunk = self.cfg.prefill_chunk
+        toks = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
+        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None)
+        appends = []
+        done = []
+        for i, (r, t) in enumerate(zip(reqs, toks)):
+            n = len(t)
+            self.runner.set_length(r.slot, r.prefilled + n)
+            r.prefilled += n
+            if self.drafter is not None:
+                aux = out.aux[i, :n].float().cpu()
+                if r.pending_aux is not None:
+                    aux = torch.cat([r.pending_aux, aux])
+                # every position but the last knows its next token already
+                nxt = torch.tensor(r.prompt[r.prefilled - aux.shape[0] + 1:r.prefilled])
+                appends.append((r.slot, aux[:-1], nxt))
+                r.pending_aux = aux[-1:]
+            if r.prefilled == len(r.prompt):
+                done.append((i, r, n))
+        if self.draft_runner is not None:
+            self.draft_runner.append(appends)
+        if not done:
+            return
+        logits = torch.stack([out.logits[i, n - 1] for i, _, n in done])
+        first = self._sample_first([r for _, r, _ in done], logits)
+        appends = []
+        for (i, r, n), tok in zip(done, first):
+            r.anchor = tok
+            if self.drafter is not None:
+                appends.append((r.slot, r.pending_aux, torch.tensor([tok])))
+                r.pending_aux = None
+            self._emit(r, [tok])
+        if self.draft_runner is not None:
+            self.draft_runner.append(appends)
+
+    def _sample_first(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
+        temp = torch.tensor([r.params.temperature for r in reqs])
+        probs = verify_ref.process_logits(logits, temp, torch.tensor([r.params.top_k for r in reqs]),
+                                          torch.tensor([r.params.top_p for r in reqs]))
+        out = []
+        for r, p in zip(reqs, probs):
+            g = torch.Generator().manual_seed((r.seed * 0x9E3779B1 + 7) % (2**63))
+            out.append(int(torch.multinomial(p.cpu(), 1, generator=g)))
+        return out
+
+    def _max_lens(self, reqs: list[_Request]) -> torch.Tensor:
+        caps = []
+        for r in reqs:
+            remaining = r.params.max_tokens - len(r.generated)
+            room = self.max_context - int(self.runner.lengths[r.slot]) - 2
+            caps.append(max(0, min(self.K, remaining - 1, room)))
+        return torch.tensor(caps, dtype=torch.long)
+
+    def _decode(self, reqs: list[_Request]) -> None:
+        R = len(reqs)
+        slots = [r.slot for r in reqs]
+        anchors = torch.tensor([r.anchor for r in reqs], device=self.device)
+        temps = torch.tensor([r.params.temperature for r in reqs])
+        if self.draft_runner is not None and self.K > 0:
+            prop = self.draft_runner.propose(slots, anchors, temps.to(self.device), self._gen)
+            conf_logits = prop.conf_logits
+            if conf_logits is not None:
+                cl = conf_logits.float().cpu()
+                if self.sts is not None:
+                    cl = cl / self.sts[: cl.shape[1]].clamp(min=1e-4)
+                confidence = torch.sigmoid(cl)
+            else:
+                confidence = torch.ones(R, self.K)
+            lens = self.policy(confidence, self._max_lens(reqs), [r.rid for r in reqs]).cpu()
+            drafts = prop.tokens.cpu()
+        else:
+            lens = torch.zeros(R, dtype=torch.long)
+            drafts = torch.zeros(R, 0, dtype=torch.long)
+            conf_logits = None
+        L = int(lens.max()) if R else 0
+        toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
+        out = self.runner.forward(slots, toks, need_features=self.drafter is not None)
+        target_logits = out.logits[:, : L + 1].float()
+        if target_logits.shape[1] < L + 1:
+            target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
+        draft_probs = prop.probs[:, :L].float() if L > 0 else None
+        if draft_probs is None and bool((temps > 0).any()):
+            draft_probs = torch.zeros(R, 0, target_logits.shape[-1], device=target_logits.device)
+        res = self.verify(
+            drafts[:, :L].to(target_logits.device), draft_probs, target_logits, lens.to(target_logits.device),
+            temps.to(target_logits.device),
+            top_k=torch.tensor([r.params.top_k for r in reqs], device=target_logits.device),
+            top_p=torch.tensor([r.params.top_p for r in reqs], device=target_logits.device),
+            seed=torch.tensor([r.seed for r in reqs]), offset=torch.tensor([r.steps for r in reqs]))
+        n_acc = res.num_accepted.cpu().tolist()
+        emitted = res.output_tokens.cpu()
+        appends = []
+        self.stats["rounds"] += 1
+        self.stats["batch_size_sum"] += R
+        for i, r in enumerate(reqs):
+            n, l_ = n_acc[i], int(lens[i])
+            new = emitted[i, : n + 1].tolist()
+            base = int(self.runner.lengths[r.slot])
+            self.runner.set_length(r.slot, base + n + 1)
+            r.steps += 1
+            r.drafted += l_
+            r.accepted += n
+            self.stats["draft_tokens"] += l_
+            self.stats["accepted_tokens"] += n
+            self.stats["verify_len_hist"][l_] += 1
+            for k in range(n):
+                self.stats["accepted_per_position"][k] += 1
+            if self.cfg.record_rounds:
+                self.rounds.append(RoundRecord(r.rid, l_, n, None if conf_logits is None else conf_logits[i].float().cpu().tolist()))
+            if self.drafter is not None:
+                appends.append((r.slot, out.aux[i, : n + 1].float().cpu(), torch.tensor(new)))
+            r.anchor = new[-1]
+            self._emit(r, new)
+        if self.draft_runner is not None:
+            self.draft_runner.append(appends)
+
+    # -- output ---------------------------------------------------------------------------------------
+    def _emit(self, r: _Request, tokens: list[int]) -> None:
+        keep: list[int] = []
+        reason = None
+        stops = set(r.params.stop_token_ids)
+        for t in tokens:
+            keep.append(t)
+            if t in stops:
+                reason = "stop"
+                break
+            if len(r.generated) + len(keep) >= r.params.max_tokens:
+                reason = "length"
+                break
+        if r.params.stop_strings and reason is None:
+            keep, hit = self._cut_at_stop_string(r, keep)
+            reason = "stop" if hit else None
+        r.generated.extend(keep)
+        self.stats["emitted_tokens"] += len(keep)
+        if reason is not None:
+            self._finish(r, reason, keep)
+        else:
+            self._send(r, keep, finished=False)
+
+    def _cut_at_stop_string(self, r: _Request, keep: list[int]) -> tuple[list[int], bool]:
+        tok = self.target.tokenizer
+        tail = r.generated[-32:]
+        for j in range(1, len(keep) + 1):
+            text = tok.decode(tail + keep[:j])
+            if any(s in text for s in r.params.stop_strings):
+                return keep[:j], True
+        return keep, False
+
+    def _send(self, r: _Request, tokens: list[int], finished: bool, reason: str | None = None, error: str | None = None) -> None:
+        try:
+            r.callback(RequestOutput(request_id=r.rid, new_token_ids=tokens, finished=finished, finish_reason=reason,
+                                     error=error, num_steps=r.steps, num_draft_tokens=r.drafted,
+                                     num_accepted_tokens=r.accepted))
+        except Exception:  # a broken client callback must not take the engine down
+            log.exception("output callback of request %s failed; cancelling it", r.rid)
+            r.cancelled = True
+
+    def _finish(self, r: _Request, reason: str, tokens: list[int] | None = None, error: str | None = None) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        self._send(r, tokens or [], finished=True, reason=reason, error=error)
+
+    def _reap(self) -> None:
+        """Drop finished/cancelled requests and compact slots so rows 0..R-1 stay active."""
+        with self._lock:
+            for r in self._active:
+                if r.cancelled and not r.finished:
+                    self._finish(r, "cancelled")
+            keep = [r for r in self._active if not r.finished]
+            if len(keep) == len(self._active):
+                return
+            for new_slot, r in enumerate(keep):
+                if r.slot != new_slot:
+                    self.runner.move_slot(r.slot, new_slot)
+                    if self.draft_runner is not None:
+                        self.draft_runner.move(r.slot, new_slot)
+                    r.slot = new_slot
+            self._active = keep
+
+
+def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: str = "algorithm1",
+                device: str = "cpu", max_batch: int = 64, max_context: int = 2048):
+    """Build an engine from an engine directory (``dspark build`` output) or the embedded target.
+
+    ``engine_dir`` holds ``engine.json`` naming the target profile, the drafter checkpoint
+    directory and optionally ``sps.json`` / ``sts.json``. With ``engine_dir=None`` only
+    ``mode="target_only"`` is possible (there is no drafter to load).
+    """
+    import json
+
+    from dspark.training.checkpoint import load_checkpoint
+    from dspark.training.config import TargetProfile, load_target_profile
+    from dspark.training.target import load_target
+
+    drafter, sps, sts = None, None, None
+    if engine_dir is None:
+        if mode == "spec":
+            raise ValueError("speculative mode needs an engine directory with a drafter (scripts/build_engine.sh)")
+        profile = load_target_profile("smollm2-135m")
+    else:
+        root = Path(engine_dir)
+        meta_path = root / "engine.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{root}: no engine.json (build it with scripts/build_engine.sh)")
+        meta = json.loads(meta_path.read_text())
+        profile = TargetProfile(**meta["target_profile"])
+    target = load_target(profile, device=device)
+    if engine_dir is not None:
+        root = Path(engine_dir)
+        if mode == "spec":
+            drafter, _, _ = load_checkpoint(root / meta.get("drafter_dir", "drafter"), target)
+            drafter = drafter.to(device)
+        if meta.get("sps"):
+            from .sps import load_sps_table
+            sps = load_sps_table(root / meta["sps"])
+        if meta.get("sts"):
+            from .sts import StsCalibration
+            sts = StsCalibration.load(root / meta["sts"]).temperatures
+    if scheduler in ("algorithm1", "async") and sps is None:
+        log.warning("no SPS table in %s: falling back to fixed-length verification", engine_dir)
+        scheduler = "fixed"
+    cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context)
+    return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)

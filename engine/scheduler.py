@@ -1,0 +1,316 @@
+"""Verify-length policies: how many of each request's drafts the target checks this step.
+
+Every policy maps per-position confidences ``c [R, K]`` (calibrated, see ``engine/sts.py``)
+and per-request caps ``max_lens [R]`` to verify lengths ``l [R]`` in ``0..max_lens``; the
+verify step (``dspark.plugins.reference.verify``) then ignores drafts past ``l``.
+``a[r, j] = prod_{i<=j} c[r, i]`` is the probability that drafts ``0..j`` all survive.
+
+- ``FixedLength(k)``: always ``min(k, cap)``; the classic fixed-block baseline.
+- ``StaticThreshold(t)``: verify draft j while ``a[r, j] >= t``; ignores system load.
+- ``Algorithm1Scheduler(sps)``: the report's Algorithm 1. Candidates (r, j) are visited in
+  descending ``a``; each adds one batch token and ``a[r, j]`` expected accepts; the walk
+  keeps going while ``Theta = tau * SPS(B)`` strictly improves and stops at the first
+  candidate that does not improve it.
+- ``AsyncScheduler(sps)``: the report's production variant (Section 5.2). The total number
+  of draft tokens to verify (the capacity, the K of a top-K) is found by an unconstrained
+  global search of Theta over the confidences of two steps earlier; this step's candidates
+  are ranked by their current ``a`` and the top ``capacity`` are admitted.
+
+Registry names (``make_scheduler``): ``fixed``, ``threshold``, ``algorithm1``, ``async``.
+
+Why these are lossless. Drafts are ``x_0..x_{K-1}``. Speculative sampling stays exact when
+the decision to verify draft ``x_j`` is made without looking at ``x_j`` itself (it may
+depend on the drafts before it: that is just a drafter that chooses its length as it goes). With the Markov confidence head,
+``c_{j+1}`` depends on the sampled ``x_j``, so ``a[r, j+1]`` carries information about ``x_j``.
+
+* Algorithm 1's early stop: the decision about (r, j) is taken when the walk reaches it,
+  from the candidates already visited, which all have ``a >= a[r, j]``; with ties broken
+  by lower j, request r's own visited candidates are positions before j, and ``a[r, j]``
+  itself depends only on ``x_0..x_{j-1}``. Other requests' drafts are independent of
+  request r's. Stopping at the first non-improvement means no later candidate such as
+  ``a[r, j+1]`` can change whether ``x_j`` is verified. Searching on for a later maximum
+  (a retrospective global search) lets ``x_j`` decide its own admission and biases the
+  output (report Appendix A; ``tests/semantic/test_scheduler_lossless.py`` shows it).
+* Async top-K: the capacity is a function of confidences from two steps ago, fixed before
+  this step's drafts exist, so the global search cannot see them. Draft (r, j) is admitted
+  iff fewer than ``capacity`` candidates rank above it; those are other requests'
+  candidates and request r's positions before j, never r's later ones, so again ``x_j``
+  plays no part in its own admission.
+* Fixed and threshold policies decide draft j from ``a[r, j]`` alone.
+
+Requests join and leave between steps, so ``AsyncScheduler`` keeps its history per request
+id (``request_ids``). A request with no confidences from two steps ago is assumed to look
+like the mean of those that have them; when no current request has any (the first two
+steps, or a fresh batch), the step falls back to synchronous Algorithm 1.
+"""
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections import deque
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from dspark.engine.sps import SpsTable
+from dspark.plugins.reference import prefix_survival, schedule_prefix
+
+__all__ = [
+    "VerifyLengthPolicy",
+    "FixedLength",
+    "StaticThreshold",
+    "Algorithm1Scheduler",
+    "AsyncScheduler",
+    "UnknownSchedulerError",
+    "SCHEDULERS",
+    "make_scheduler",
+    "expected_throughput",
+    "top_capacity_lens",
+]
+
+SpsLike = Any  # torch.Tensor [N+1] | SpsTable | sequence of floats
+
+
+def _as_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
+    """Dense steps/s array [N+1] (float64, CPU); index = batch tokens, entry 0 unused.
+
+    An ``SpsTable`` is expanded up to ``max_tokens`` (default: its largest profiled count);
+    batches past the end of the array are never scheduled.
+    """
+    if isinstance(sps, SpsTable):
+        sps = sps.as_tensor(max_tokens)
+    elif max_tokens is not None:
+        raise ValueError("max_tokens applies only to an SpsTable; slice a dense sps array yourself")
+    t = torch.as_tensor(sps, dtype=torch.float64).detach().cpu().reshape(-1)
+    if t.numel() < 2:
+        raise ValueError(f"sps must cover at least batch size 1 (length >= 2), got length {t.numel()}")
+    if not bool((torch.isfinite(t[1:]) & (t[1:] >= 0)).all()):
+        raise ValueError("sps entries must be finite and >= 0")
+    return t
+
+
+def _check(confidence: torch.Tensor, max_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (confidence [R, K], cap [R] int64 on CPU clamped to [0, K])."""
+    if confidence.dim() != 2:
+        raise ValueError(f"confidence must be [R, K], got shape {tuple(confidence.shape)}")
+    R, K = confidence.shape
+    if max_lens is None:
+        return confidence, torch.full((R,), K, dtype=torch.long)
+    max_lens = torch.as_tensor(max_lens)
+    if max_lens.shape != (R,):
+        raise ValueError(f"max_lens must be [R]={R}, got shape {tuple(max_lens.shape)}")
+    if bool((max_lens < 0).any()):
+        raise ValueError("max_lens must be >= 0")
+    return confidence, max_lens.long().cpu().clamp(0, K)
+
+
+def expected_throughput(confidence: torch.Tensor, lens: torch.Tensor, sps: SpsLike) -> float:
+    """``Theta = tau * SPS(B)`` of a choice of verify lengths; 0 when B exceeds the table."""
+    sps_t = _as_sps(sps)
+    a = prefix_survival(confidence).cpu()
+    R, K = a.shape
+    lens = torch.as_tensor(lens).long().cpu()
+    mask = torch.arange(K).unsqueeze(0) < lens.unsqueeze(1)
+    tau = R + float((a * mask).sum())
+    batch = R + int(lens.sum())
+    return tau * float(sps_t[batch]) if batch < sps_t.numel() else 0.0
+
+
+def top_capacity_lens(confidence: torch.Tensor, cap: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Admit the ``capacity`` candidates with the highest ``a`` (ties: lower r, then lower j).
+
+    Only candidates with ``a > 0`` and ``j < cap[r]`` compete. ``a`` never grows along j and
+    ties go to lower j, so the admitted set is a prefix of every request. -> [R] int64 (CPU).
+    """
+    a = prefix_survival(confidence).cpu()
+    R, K = a.shape
+    flat = a.flatten()
+    r_idx = torch.arange(R).repeat_interleave(K)
+    j_idx = torch.arange(K).repeat(R)
+    valid = (flat > 0) & (j_idx < cap[r_idx])
+    order = torch.sort(-flat[valid], stable=True).indices[: max(int(capacity), 0)]
+    lens = torch.zeros(R, dtype=torch.long)
+    lens.index_add_(0, r_idx[valid][order], torch.ones(order.numel(), dtype=torch.long))
+    return lens
+
+
+_OPS_SCHEDULE: list[Callable[..., torch.Tensor] | None] = []
+
+
+def _ops_schedule_prefix() -> Callable[..., torch.Tensor] | None:
+    """``dspark.plugins.ops.schedule_prefix`` if that module exists and loads, else None (cached).
+
+    It is expected to mirror ``reference.schedule_prefix(confidence, sps, max_lens, early_stop)``.
+    """
+    if not _OPS_SCHEDULE:
+        fn = None
+        try:
+            from dspark.plugins import ops  # optional compiled kernels
+            fn = getattr(ops, "schedule_prefix", None)
+        except ImportError:
+            fn = None
+        except (OSError, RuntimeError) as e:  # present but broken: say so once, use the reference
+            warnings.warn(f"dspark.plugins.ops failed to load ({e}); scheduling with the reference",
+                          RuntimeWarning, stacklevel=3)
+        _OPS_SCHEDULE.append(fn)
+    return _OPS_SCHEDULE[0]
+
+
+class VerifyLengthPolicy(ABC):
+    """``policy(confidence [R, K], max_lens [R] | None, request_ids) -> verify_lens [R] int64``.
+
+    Output is on ``confidence``'s device, each entry in ``0..min(K, max_lens[r])``.
+    ``request_ids`` (one str per row) matters only to stateful policies.
+    """
+
+    name: str = ""
+
+    def __call__(self, confidence: torch.Tensor, max_lens: torch.Tensor | None = None,
+                 request_ids: Sequence[str] | None = None) -> torch.Tensor:
+        confidence, cap = _check(confidence, max_lens)
+        if request_ids is not None and len(request_ids) != confidence.shape[0]:
+            raise ValueError(f"request_ids has {len(request_ids)} entries for {confidence.shape[0]} rows")
+        lens = self._lens(confidence, cap, request_ids)
+        return lens.to(device=confidence.device, dtype=torch.long)
+
+    @abstractmethod
+    def _lens(self, confidence: torch.Tensor, cap: torch.Tensor,
+              request_ids: Sequence[str] | None) -> torch.Tensor:
+        """Checked inputs -> verify lengths [R]."""
+
+    def reset(self) -> None:
+        """Forget any state (e.g. between benchmark runs). Stateless policies do nothing."""
+
+
+class FixedLength(VerifyLengthPolicy):
+    """Always verify ``min(k, K, max_lens[r])`` drafts (``k=None``: all K)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int | None = None) -> None:
+        if k is not None and k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.k = k
+
+    def _lens(self, confidence, cap, request_ids):
+        return cap if self.k is None else cap.clamp(max=self.k)
+
+
+class StaticThreshold(VerifyLengthPolicy):
+    """Verify draft j while the cumulative confidence ``a[r, j] >= threshold`` (load-blind)."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: float) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold = float(threshold)
+
+    def _lens(self, confidence, cap, request_ids):
+        a = prefix_survival(confidence).cpu()
+        keep = a >= self.threshold  # a prefix along j, since a never grows
+        n = torch.cumprod(keep.long(), dim=-1).sum(-1)
+        return torch.minimum(n, cap)
+
+
+class Algorithm1Scheduler(VerifyLengthPolicy):
+    """Report Algorithm 1 with its early stop (synchronous): maximise ``tau * SPS(B)``.
+
+    Runs ``dspark.plugins.ops.schedule_prefix`` for CUDA tensors when that module exists,
+    otherwise ``dspark.plugins.reference.schedule_prefix``.
+    """
+
+    name = "algorithm1"
+
+    def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
+        self.sps = _as_sps(sps, max_tokens)
+
+    def _lens(self, confidence, cap, request_ids):
+        if confidence.is_cuda:
+            fn = _ops_schedule_prefix()
+            if fn is not None:
+                return fn(confidence, self.sps.to(confidence.device), cap.to(confidence.device), early_stop=True)
+        return schedule_prefix(confidence, self.sps, cap, early_stop=True)
+
+
+class AsyncScheduler(VerifyLengthPolicy):
+    """Report Section 5.2: top-``capacity`` admission, capacity from ``lag``-step-old confidences.
+
+    ``last_capacity`` holds the capacity used by the latest call (None when it fell back to
+    synchronous Algorithm 1) and ``last_mode`` is ``"async"`` or ``"sync"``.
+    """
+
+    name = "async"
+
+    def __init__(self, sps: SpsLike, lag: int = 2, max_tokens: int | None = None) -> None:
+        if lag < 1:
+            raise ValueError(f"lag must be >= 1 (capacity must not see this step's drafts), got {lag}")
+        self.sps = _as_sps(sps, max_tokens)
+        self.lag = lag
+        self._sync = Algorithm1Scheduler(self.sps)
+        # per step, oldest first: (request id -> row, confidences [R, K] float64 on CPU)
+        self._history: deque[tuple[dict[str, int], torch.Tensor]] = deque(maxlen=lag)
+        self.last_capacity: int | None = None
+        self.last_mode: str = ""
+
+    def reset(self) -> None:
+        self._history.clear()
+        self.last_capacity = None
+        self.last_mode = ""
+
+    def capacity_from_history(self, request_ids: Sequence[str], cap: torch.Tensor, K: int) -> int | None:
+        """Capacity for the current batch from the confidences ``lag`` steps back, or None."""
+        if len(self._history) < self.lag:
+            return None
+        old_index, old_rows = self._history[0]
+        where = [old_index.get(rid, -1) for rid in request_ids]
+        known = [i for i in where if i >= 0]
+        if not known:
+            return None
+        k_old = old_rows.shape[1]  # old rows may have another K: pad with 0 or truncate
+        rows = torch.zeros(old_rows.shape[0] + 1, K, dtype=torch.float64)
+        rows[:-1, : min(K, k_old)] = old_rows[:, :K]
+        rows[-1] = rows[known].mean(0)  # stand-in for requests that were not there
+        proxy = rows[torch.tensor(where)]  # index -1 picks the stand-in
+        # unconstrained global search: safe here, none of these confidences are this step's
+        return int(schedule_prefix(proxy, self.sps, cap, early_stop=False).sum())
+
+    def _lens(self, confidence, cap, request_ids):
+        R, K = confidence.shape
+        ids = [str(i) for i in range(R)] if request_ids is None else [str(r) for r in request_ids]
+        index = {rid: i for i, rid in enumerate(ids)}
+        if len(index) != len(ids):
+            raise ValueError("request_ids must be unique within a step")
+        capacity = self.capacity_from_history(ids, cap, K)
+        if capacity is None:
+            lens = self._sync._lens(confidence, cap, ids).cpu()
+            self.last_mode = "sync"
+        else:
+            lens = top_capacity_lens(confidence, cap, capacity)
+            self.last_mode = "async"
+        self.last_capacity = capacity
+        self._history.append((index, confidence.detach().to("cpu", torch.float64).clone()))
+        return lens
+
+
+class UnknownSchedulerError(ValueError):
+    """``make_scheduler`` was given a name that is not registered."""
+
+
+SCHEDULERS: Mapping[str, type[VerifyLengthPolicy]] = MappingProxyType({
+    cls.name: cls for cls in (FixedLength, StaticThreshold, Algorithm1Scheduler, AsyncScheduler)
+})
+
+
+def make_scheduler(name: str, **kwargs: Any) -> VerifyLengthPolicy:
+    """Build a policy by registry name, e.g. ``make_scheduler("algorithm1", sps=table)``."""
+    try:
+        cls = SCHEDULERS[name]
+    except KeyError:
+        raise UnknownSchedulerError(
+            f"unknown scheduler {name!r}; known: {', '.join(sorted(SCHEDULERS))}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"scheduler {name!r}: {e}") from e

@@ -1,0 +1,343 @@
+"""SPS cost tables: how many engine steps per second the target runs at B batch tokens.
+
+The prefix scheduler (``dspark.engine.scheduler``) maximises ``tau * SPS(B)``, so it needs
+``SPS(B)`` for every batch-token count B it might choose. We profile the engine once at a
+handful of token counts (``profile_sps``), store the result as a small JSON file, and
+expand it to the dense array ``sps[0..N]`` the scheduler indexes (``SpsTable.as_tensor``).
+
+File format (JSON object, UTF-8), format version 1::
+
+    {
+      "format": "dspark-sps",            # fixed marker
+      "format_version": 1,               # refused if unknown
+      "tokens": [1, 8, 64, 256],         # profiled batch-token counts, ints >= 1, strictly increasing
+      "steps_per_s": [95.1, 94.0, 80.2, 41.7],  # measured steps/s at each count, finite, > 0
+      "device": "NVIDIA H200",           # where it was measured
+      "engine": "smollm2-135m bf16 graphs", # identity of the profiled engine (free text)
+      "created_at": "2026-12-01T10:00:00+00:00",  # ISO 8601
+      "meta": {"warmup": 3, "repeats": 10}  # optional: how it was profiled
+    }
+
+Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
+
+Dense expansion (``as_tensor``), chosen on purpose:
+
+- We work in step *time* ``1 / SPS``, which grows roughly linearly with tokens.
+- Smoothing (default ``"isotonic"``): the profiled step times are replaced by their
+  least-squares non-decreasing fit (pool-adjacent-violators), so SPS is monotone
+  non-increasing. Timing noise is averaged rather than propagated (a running min/max
+  would copy one outlier into every later/earlier point); real cliffs, which are drops
+  in SPS, survive. ``"none"`` keeps the raw points (jagged tables, for experiments).
+- Between profiled counts, step time is interpolated linearly. Below the first count it
+  is held constant; above the last it grows in proportion to tokens (compute bound),
+  a pessimistic guess: profile up to the largest batch you serve.
+- ``sps[0]`` is unused by the scheduler (a batch always holds its R base tokens); it is
+  set to ``sps[1]`` so the array has no holes.
+
+A table whose smoothed SPS hardly falls over the profiled range is refused with
+``FlatCostTableError``: it would make every verify look free and only *look* profiled.
+Typical causes are timing asynchronous GPU launches without a synchronise, or a token
+range too narrow to reach the compute-bound region. ``allow_flat=True`` accepts it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "SPS_FORMAT",
+    "SPS_FORMAT_VERSION",
+    "SpsTableError",
+    "FlatCostTableError",
+    "SpsTable",
+    "load_sps_table",
+    "profile_sps",
+    "plot_sps",
+    "isotonic_non_decreasing",
+]
+
+SPS_FORMAT = "dspark-sps"
+SPS_FORMAT_VERSION = 1
+DEFAULT_FLAT_RTOL = 0.02  # smoothed SPS must fall by at least 2% over the profiled range
+
+_KEYS_REQUIRED = ("format", "format_version", "tokens", "steps_per_s", "device", "engine", "created_at")
+_KEYS_OPTIONAL = ("meta",)
+
+
+class SpsTableError(ValueError):
+    """An SPS table that cannot be used; the message names the file (or source) and the reason."""
+
+
+class FlatCostTableError(SpsTableError):
+    """The profile shows no cost growth with batch tokens, so it only looks profiled."""
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def isotonic_non_decreasing(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit of ``values`` (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    out: list[float] = []
+    for mean, count in blocks:
+        out.extend([mean] * int(count))
+    return out
+
+
+@dataclass
+class SpsTable:
+    """A profiled steps-per-second curve of one engine on one device."""
+
+    tokens: list[int]  # profiled batch-token counts, strictly increasing, >= 1
+    steps_per_s: list[float]  # measured engine steps per second at each count, > 0
+    device: str = "cpu"  # where it was measured
+    engine: str = ""  # identity of the profiled engine (model, dtype, build options)
+    created_at: str = field(default_factory=_now_iso)  # ISO 8601
+    format_version: int = SPS_FORMAT_VERSION
+    meta: dict[str, Any] = field(default_factory=dict)  # how it was profiled (warmup, repeats, ...)
+    source: str = field(default="<in-memory table>", repr=False, compare=False)  # for messages only
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.tokens)
+        self.steps_per_s = list(self.steps_per_s)
+        self._check_structure()
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _fail(self, reason: str, cls: type[SpsTableError] = SpsTableError) -> None:
+        raise cls(f"{self.source}: {reason}")
+
+    def _check_structure(self) -> None:
+        if self.format_version != SPS_FORMAT_VERSION:
+            self._fail(f"unknown format_version {self.format_version!r} (this kit reads {SPS_FORMAT_VERSION})")
+        if len(self.tokens) != len(self.steps_per_s):
+            self._fail(f"'tokens' has {len(self.tokens)} entries but 'steps_per_s' has {len(self.steps_per_s)}")
+        if len(self.tokens) < 2:
+            self._fail(f"needs at least 2 profiled token counts, got {len(self.tokens)}")
+        for t in self.tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                self._fail(f"'tokens' must be integers >= 1, got {t!r}")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            self._fail(f"'tokens' must be strictly increasing, got {self.tokens}")
+        for s in self.steps_per_s:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                self._fail(f"'steps_per_s' must be finite numbers > 0, got {s!r}")
+        self.steps_per_s = [float(s) for s in self.steps_per_s]
+        for name in ("device", "engine", "created_at"):
+            if not isinstance(getattr(self, name), str):
+                self._fail(f"'{name}' must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.meta, dict):
+            self._fail(f"'meta' must be an object, got {type(self.meta).__name__}")
+
+    def smoothed_steps_per_s(self) -> list[float]:
+        """SPS at the profiled counts after the isotonic fit of step time (non-increasing)."""
+        times = isotonic_non_decreasing([1.0 / s for s in self.steps_per_s])
+        return [1.0 / t for t in times]
+
+    def check_profiled(self, flat_rtol: float = DEFAULT_FLAT_RTOL) -> None:
+        """Raise FlatCostTableError unless smoothed SPS falls by > ``flat_rtol`` over the range."""
+        fit = self.smoothed_steps_per_s()
+        drop = 1.0 - fit[-1] / fit[0]
+        if drop <= flat_rtol:
+            self._fail(
+                f"flat cost table: smoothed steps/s goes from {fit[0]:.4g} at {self.tokens[0]} tokens to "
+                f"{fit[-1]:.4g} at {self.tokens[-1]} tokens (falls {100 * drop:.2f}% <= {100 * flat_rtol:.2f}%); "
+                "was the step synchronised (sync=torch.cuda.synchronize) and the token range wide enough? "
+                "pass allow_flat=True if the curve is real",
+                FlatCostTableError,
+            )
+
+    # -- dense form for the scheduler -----------------------------------------------------
+
+    def as_tensor(self, max_tokens: int | None = None, smooth: str = "isotonic") -> torch.Tensor:
+        """Dense ``sps[0..max_tokens]`` (float64, [max_tokens+1]) for the scheduler.
+
+        ``max_tokens`` defaults to the largest profiled count. ``smooth`` is ``"isotonic"``
+        (monotone non-increasing SPS, the default) or ``"none"``; see the module docstring.
+        """
+        if max_tokens is None:
+            max_tokens = self.tokens[-1]
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if smooth == "isotonic":
+            sps = self.smoothed_steps_per_s()
+        elif smooth == "none":
+            sps = self.steps_per_s
+        else:
+            raise ValueError(f"smooth must be 'isotonic' or 'none', got {smooth!r}")
+        xs = torch.tensor(self.tokens, dtype=torch.float64)
+        ts = 1.0 / torch.tensor(sps, dtype=torch.float64)
+        b = torch.arange(max_tokens + 1, dtype=torch.float64)
+        # linear interpolation of step time; constant below the first count
+        idx = torch.searchsorted(xs, b, right=True).clamp(1, xs.numel() - 1)
+        x0, x1, t0, t1 = xs[idx - 1], xs[idx], ts[idx - 1], ts[idx]
+        w = ((b - x0) / (x1 - x0)).clamp(0.0, 1.0)
+        t = t0 + w * (t1 - t0)
+        # beyond the last count: time proportional to tokens
+        beyond = b > xs[-1]
+        t = torch.where(beyond, ts[-1] * b / xs[-1], t)
+        out = 1.0 / t
+        out[0] = out[1]
+        return out
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": SPS_FORMAT,
+            "format_version": self.format_version,
+            "tokens": list(self.tokens),
+            "steps_per_s": list(self.steps_per_s),
+            "device": self.device,
+            "engine": self.engine,
+            "created_at": self.created_at,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>", allow_flat: bool = False,
+                  flat_rtol: float = DEFAULT_FLAT_RTOL) -> "SpsTable":
+        """Build and check a table from parsed JSON; raises SpsTableError naming ``source``."""
+        if not isinstance(data, dict):
+            raise SpsTableError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        found = sorted(data)
+        missing = [k for k in _KEYS_REQUIRED if k not in data]
+        if missing:
+            raise SpsTableError(f"{source}: missing key(s) {missing} (found keys: {found})")
+        unknown = [k for k in data if k not in _KEYS_REQUIRED + _KEYS_OPTIONAL]
+        if unknown:
+            raise SpsTableError(f"{source}: unknown key(s) {sorted(unknown)} (found keys: {found})")
+        if data["format"] != SPS_FORMAT:
+            raise SpsTableError(f"{source}: 'format' is {data['format']!r}, expected {SPS_FORMAT!r}")
+        for key in ("tokens", "steps_per_s"):
+            if not isinstance(data[key], list):
+                raise SpsTableError(f"{source}: '{key}' must be a list, got {type(data[key]).__name__}")
+        table = cls(tokens=data["tokens"], steps_per_s=data["steps_per_s"], device=data["device"],
+                    engine=data["engine"], created_at=data["created_at"],
+                    format_version=data["format_version"], meta=data.get("meta", {}), source=source)
+        if not allow_flat:
+            table.check_profiled(flat_rtol)
+        return table
+
+    def save(self, path: str | Path) -> Path:
+        """Write the table as JSON (see the module docstring for the schema)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, allow_flat: bool = False, flat_rtol: float = DEFAULT_FLAT_RTOL) -> "SpsTable":
+        """Read and check a table; raises SpsTableError / FlatCostTableError naming the file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpsTableError(f"{path}: cannot read SPS table ({e.strerror or e})") from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpsTableError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+        return cls.from_dict(data, source=str(path), allow_flat=allow_flat, flat_rtol=flat_rtol)
+
+
+def load_sps_table(path: str | Path, allow_flat: bool = False) -> SpsTable:
+    """Shorthand for ``SpsTable.load``."""
+    return SpsTable.load(path, allow_flat=allow_flat)
+
+
+def profile_sps(
+    step_fn: Callable[[int], None],
+    token_counts: Iterable[int],
+    warmup: int = 3,
+    repeats: int = 10,
+    *,
+    sync: Callable[[], None] | None = None,
+    device: str = "cpu",
+    engine: str = "",
+    progress: bool = True,
+    allow_flat: bool = False,
+    flat_rtol: float = DEFAULT_FLAT_RTOL,
+    timer: Callable[[], float] = time.perf_counter,
+) -> SpsTable:
+    """Time ``step_fn(B)`` (one engine step at B batch tokens) for each B in ``token_counts``.
+
+    Per count: ``warmup`` untimed calls (e.g. graph capture), then ``repeats`` timed calls;
+    the table stores ``1 / median(time)``. For GPU engines pass ``sync=torch.cuda.synchronize``
+    so that each timed call includes the device work (it is called before the clock stops).
+    Raises FlatCostTableError rather than return a table that only looks profiled.
+    """
+    from tqdm.auto import tqdm
+
+    counts = sorted(set(int(b) for b in token_counts))
+    if len(counts) < 2 or counts[0] < 1:
+        raise ValueError(f"token_counts needs at least 2 distinct counts >= 1, got {counts}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
+    sps: list[float] = []
+    for b in tqdm(counts, desc="profiling SPS", unit="count", disable=not progress):
+        for _ in range(warmup):
+            step_fn(b)
+        if sync is not None:
+            sync()
+        times = []
+        for _ in range(repeats):
+            t0 = timer()
+            step_fn(b)
+            if sync is not None:
+                sync()
+            times.append(timer() - t0)
+        median = statistics.median(times)
+        if not median > 0:
+            raise SpsTableError(f"<profile of {engine or 'engine'}>: step at {b} tokens timed {median!r} s")
+        sps.append(1.0 / median)
+    table = SpsTable(tokens=counts, steps_per_s=sps, device=device, engine=engine,
+                     meta={"warmup": warmup, "repeats": repeats, "statistic": "median"},
+                     source=f"<profile of {engine or 'engine'} on {device}>")
+    if not allow_flat:
+        table.check_profiled(flat_rtol)
+    return table
+
+
+def plot_sps(table: SpsTable, path: str | Path, max_tokens: int | None = None) -> Path:
+    """Plot profiled points, the dense curve the scheduler uses, and tokens/s; save to ``path``."""
+    # a bare Figure on the Agg canvas: no pyplot state, no global backend switch
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    dense = table.as_tensor(max_tokens)
+    b = torch.arange(dense.numel())
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(b[1:].numpy(), dense[1:].numpy(), color="C0", label="scheduler SPS (smoothed, interpolated)")
+    ax.scatter(table.tokens, table.steps_per_s, color="C1", s=18, zorder=3, label="profiled")
+    ax.set_xlabel("batch tokens B")
+    ax.set_ylabel("steps / s")
+    ax2 = ax.twinx()
+    ax2.plot(b[1:].numpy(), (b[1:] * dense[1:]).numpy(), color="C2", linestyle="--", label="tokens / s")
+    ax2.set_ylabel("tokens / s")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best", fontsize=8)
+    ax.set_title(f"SPS: {table.engine or 'engine'} on {table.device}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

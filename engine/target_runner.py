@@ -1,0 +1,147 @@
+"""Target forward over a slot-based static KV cache with ragged per-request inputs.
+
+Active requests occupy slots ``0..R-1`` (the engine compacts slots when a request
+leaves), so a step attends over a view of the cache, never a copy. Each step writes the
+new tokens' K/V at ``length[slot] + i``; the caller then *commits* how many of them are
+kept (``set_length``): trimming rejected drafts costs nothing, their entries are simply
+overwritten later.
+
+Supported target architectures: the Llama family as implemented by transformers
+(llama, mistral, qwen2, qwen3 incl. q/k norms). The weights are the target's own
+modules; only caching and masking are ours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class RaggedOutput:
+    logits: torch.Tensor  # [R, Q, V] (rows past q_lens[r] are padding)
+    aux: torch.Tensor  # [R, Q, m*d] drafter features of the new tokens
+    last: torch.Tensor  # [R, Q, d] final hidden state (after the final norm)
+
+
+class TargetRunner:
+    def __init__(self, target, max_slots: int, initial_capacity: int = 256, max_context: int = 2048):
+        model_type = getattr(target.config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"the engine runs {', '.join(SUPPORTED_MODEL_TYPES)} targets; {model_type!r} is not supported yet")
+        self.target = target
+        self.layers = list(target.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = getattr(attn, "head_dim", target.hidden_size // target.config.num_attention_heads)
+        self.n_heads = target.config.num_attention_heads
+        self.n_kv = getattr(target.config, "num_key_value_heads", None) or self.n_heads
+        self.layer_ids = list(target.profile.layer_ids)
+        self.max_slots = max_slots
+        self.max_context = max_context
+        p = next(target.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.capacity = min(initial_capacity, max_context)
+        L = len(self.layers)
+        shape = (L, max_slots, self.n_kv, self.capacity, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.lengths = torch.zeros(max_slots, dtype=torch.long)
+
+    # -- slot management ----------------------------------------------------------------------
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        if needed > self.max_context:
+            raise ValueError(f"context of {needed} tokens exceeds max_context={self.max_context}")
+        new_cap = min(max(needed, 2 * self.capacity), self.max_context)
+        pad = new_cap - self.capacity
+        self.k = F.pad(self.k, (0, 0, 0, pad))
+        self.v = F.pad(self.v, (0, 0, 0, pad))
+        self.capacity = new_cap
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.lengths[slot] = length
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Compaction: the request in ``src`` now lives in ``dst``."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    # -- forward ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, slots: list[int], tokens: list[list[int]], need_features: bool = True) -> RaggedOutput:
+        """Run ``slots`` on their new tokens (ragged); K/V are written, lengths not advanced.
+
+        When ``slots`` is ``0..R-1`` (the common case) attention reads views of the cache;
+        otherwise the rows are gathered.
+        """
+        R = len(tokens)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        self._contiguous = slots == list(range(R))
+        q_lens = torch.tensor([len(t) for t in tokens])
+        Q = int(q_lens.max())
+        start = self.lengths[slot_t].clone()
+        total = int((start + q_lens).max())
+        self._ensure_capacity(total)
+        ids = torch.zeros(R, Q, dtype=torch.long)
+        for r, t in enumerate(tokens):
+            ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = start.unsqueeze(1) + torch.arange(Q).unsqueeze(0)  # [R, Q]
+        q_valid = torch.arange(Q).unsqueeze(0) < q_lens.unsqueeze(1)
+        # key t visible to query (r, i) iff t <= start_r + i (causal; older entries are the cache)
+        key_pos = torch.arange(total)
+        mask = (key_pos.view(1, 1, total) <= pos.unsqueeze(-1)).to(self.device)  # [R, Q, total]
+        rows = slot_t.unsqueeze(1).expand(R, Q)[q_valid]
+        self._slot_t = slot_t.to(self.device)
+        wpos = pos[q_valid]
+        ids, pos_d = ids.to(self.device), pos.to(self.device)
+
+        dec = self.target.decoder
+        h = dec.embed_tokens(ids)
+        cos, sin = dec.rotary_emb(h, pos_d)
+        captured = []
+        for li, layer in enumerate(self.layers):
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total)
+            if need_features and li in self.layer_ids:
+                captured.append((li, h))
+        last = dec.norm(h)
+        logits = self.target.lm_head(last)
+        aux = torch.cat([c for _, c in sorted(captured, key=lambda x: self.layer_ids.index(x[0]))], dim=-1) \
+            if need_features else last.new_zeros(R, Q, 0)
+        return RaggedOutput(logits=logits, aux=aux, last=last)
+
+    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        B, Q, _ = x.shape
+        q = attn.q_proj(x).view(B, Q, -1, self.head_dim)
+        k = attn.k_proj(x).view(B, Q, -1, self.head_dim)
+        v = attn.v_proj(x).view(B, Q, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # write the valid new entries into the cache rows
+        kc, vc = self.k[li], self.v[li]
+        kc[rows, :, wpos] = k.transpose(1, 2)[q_valid]
+        vc[rows, :, wpos] = v.transpose(1, 2)[q_valid]
+        if self._contiguous:
+            keys, vals = kc[:R, :, :total], vc[:R, :, :total]
+        else:
+            keys, vals = kc[self._slot_t, :, :total], vc[self._slot_t, :, :total]
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            keys = keys.repeat_interleave(rep, dim=1)
+            vals = vals.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))

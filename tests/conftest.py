@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny random Llama target (fast, exact semantics) and the real SmolLM2."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.training.config import RunConfig, TargetProfile, load_run_config
+from dspark.training.target import Target
+
+
+class _TinyTokenizer:
+    """Just enough tokenizer for a random tiny target (ids are their own text)."""
+
+    eos_token_id = 2
+    pad_token_id = 2
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(64)}
+
+    def decode(self, ids):
+        return " ".join(f"t{i}" for i in ids)
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=True):
+        return [1] + [3 + (ord(c) % 60) for c in msgs[0]["content"]] + [1]
+
+
+def make_tiny_target(model_type: str = "llama", seed: int = 0) -> Target:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    if model_type == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    # sharpen the random model so greedy decoding has clear (non-tied) argmaxes
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20)
+    profile = TargetProfile(name="tiny", family=model_type, source=None, layer_ids=[0, 1, 2], mask_token_id=5,
+                            stop_token_ids=[], block_size=4, draft_layers=1, markov_rank=8)
+    return Target(model.float(), _TinyTokenizer(), profile)
+
+
+def tiny_run_config(algo: str = "dspark") -> RunConfig:
+    cfg = load_run_config(None, [f"algo={algo}"])
+    cfg.target = TargetProfile(name="tiny", family="llama", source=None, layer_ids=[0, 1, 2], mask_token_id=5,
+                               stop_token_ids=[], block_size=4, draft_layers=1, markov_rank=8)
+    return cfg
+
+
+@pytest.fixture
+def tiny_target() -> Target:
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded target (dequantised once into ~/.cache/dspark)."""
+    from dspark.training.target import load_target
+
+    return load_target(load_run_config("quickstart").target)

@@ -1,0 +1,117 @@
+"""Greedy speculative decoding is token-identical to the target alone, in a batched in-flight run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.api import SamplingParams
+from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import make_tiny_target, tiny_run_config
+
+
+def _hf_greedy(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _run_in_flight(engine, jobs):
+    """jobs: [(arrival_step, rid, prompt, params)]; requests join while others run."""
+    outs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+
+    def cb(o):
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            finished[o.request_id] = o.finish_reason
+    step = 0
+    pending = sorted(jobs, key=lambda j: j[0])
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.submit(rid, prompt, params, cb)
+        engine.step()
+        step += 1
+    return outs, finished
+
+
+def _jobs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    jobs = []
+    for i in range(7):
+        plen = int(torch.randint(3, 40, (1,), generator=g))
+        prompt = torch.randint(6, 64, (plen,), generator=g).tolist()
+        greedy = i % 3 != 2
+        params = SamplingParams(max_tokens=int(torch.randint(5, 30, (1,), generator=g)),
+                                temperature=0.0 if greedy else 0.8, top_k=0 if greedy else 10, seed=i)
+        jobs.append((i * 2, f"r{i}", prompt, params))
+    return jobs
+
+
+@pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
+def test_greedy_speculative_output_is_identical_to_target_only_in_flight(algo):
+    target = make_tiny_target()
+    cfg = tiny_run_config(algo)
+    torch.manual_seed(3)
+    drafter = build_drafter(drafter_config_for(cfg, target), target)  # untrained: many rejections
+    jobs = _jobs()
+    spec, fin = _run_in_flight(SpecEngine(target, drafter, EngineConfig(mode="spec", max_batch=4, prefill_chunk=8)), jobs)
+    base, _ = _run_in_flight(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=3)), jobs)
+    for _, rid, prompt, params in jobs:
+        assert len(spec[rid]) == params.max_tokens and fin[rid] == "length"
+        if params.temperature == 0:
+            assert spec[rid] == base[rid], f"{algo}: request {rid} differs from target-only greedy"
+            assert spec[rid] == _hf_greedy(target, prompt, params.max_tokens), f"{rid} differs from HF generate"
+
+
+def test_greedy_identity_holds_when_the_drafter_is_the_target_itself_accepting_everything():
+    """A drafter whose proposals are always right: every block fully accepted, output unchanged."""
+    target = make_tiny_target()
+    jobs = [(0, "a", [7, 8, 9, 10], SamplingParams(max_tokens=20))]
+    base, _ = _run_in_flight(SpecEngine(target, None, EngineConfig(mode="target_only")), jobs)
+    cfg = tiny_run_config("dflash")
+    drafter = build_drafter(drafter_config_for(cfg, target), target)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec"))
+
+    truth = base["a"]
+
+    class Oracle:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+        def propose(self, slots, anchors, temperature, generator=None):
+            p = self.inner.propose(slots, anchors, temperature, generator)
+            done = len(engine._active[0].generated)
+            nxt = (truth[done:done + engine.K] + [0] * engine.K)[: engine.K]
+            p.tokens[0] = torch.tensor(nxt)
+            return p
+    engine.draft_runner = Oracle(engine.draft_runner)
+    spec, _ = _run_in_flight(engine, jobs)
+    assert spec["a"] == truth
+    assert engine.stats["accepted_tokens"] > 0.6 * len(truth)
+
+
+def test_cancel_and_stop_tokens_end_requests_cleanly():
+    target = make_tiny_target()
+    eng = SpecEngine(target, None, EngineConfig(mode="target_only"))
+    outs, fin = {}, {}
+
+    def cb(o):
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            fin[o.request_id] = o.finish_reason
+    ref, _ = _run_in_flight(SpecEngine(target, None, EngineConfig(mode="target_only")),
+                            [(0, "x", [7, 8, 9], SamplingParams(max_tokens=10))])
+    stop_tok = ref["x"][3]
+    eng.submit("s", [7, 8, 9], SamplingParams(max_tokens=10, stop_token_ids=[stop_tok]), cb)
+    eng.submit("c", [7, 8, 9], SamplingParams(max_tokens=50), cb)
+    eng.step(); eng.step()
+    eng.cancel("c")
+    eng.run_until_done()
+    assert fin["s"] == "stop" and outs["s"] == ref["x"][: ref["x"].index(stop_tok) + 1]
+    assert fin["c"] == "cancelled" and len(outs["c"]) < 50

@@ -1,0 +1,94 @@
+"""Invariants of the DSpark model and loss that the report fixes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.training.loss import block_loss, confidence_target, position_weights
+from dspark.training.metrics import accept_len, accept_rate_at_k
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import tiny_run_config
+
+
+def _drafter(target, algo="dspark", markov="vanilla"):
+    cfg = tiny_run_config(algo)
+    cfg.algo.markov_head = markov if algo == "dspark" else "none"
+    torch.manual_seed(1)
+    d = build_drafter(drafter_config_for(cfg, target), target)
+    if d.markov is not None:
+        torch.nn.init.normal_(d.markov.w2.weight, std=0.5)  # non-zero bias to observe
+    return d
+
+
+def test_markov_bias_is_added_to_logits_before_softmax_starting_at_position_one(tiny_target):
+    d = _drafter(tiny_target)
+    hidden = torch.randn(2, 4, 32)
+    prev = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])  # x_0 = anchor at k=1
+    out = d.heads(hidden, prev)
+    expected = d.lm_head(hidden) + d.markov.w2(d.markov.w1(prev))
+    torch.testing.assert_close(out.logits, expected)
+    # position 1 depends on the anchor
+    prev2 = prev.clone(); prev2[:, 0] = 20
+    assert not torch.allclose(d.heads(hidden, prev2).logits[:, 0], out.logits[:, 0])
+
+
+def test_rnn_markov_head_carries_state_left_to_right(tiny_target):
+    d = _drafter(tiny_target, markov="rnn")
+    hidden = torch.randn(1, 4, 32)
+    prev = torch.tensor([[7, 8, 9, 10]])
+    a = d.heads(hidden, prev).logits
+    prev2 = prev.clone(); prev2[0, 0] = 30
+    b = d.heads(hidden, prev2).logits
+    assert not torch.allclose(a[0, 3], b[0, 3]), "a change of x_0 must reach the last position through the state"
+
+
+def test_confidence_target_is_one_minus_half_l1_clamped():
+    p_d = torch.tensor([[0.5, 0.5, 0.0]])
+    p_t = torch.tensor([[0.7, 0.3, 0.0]])
+    assert confidence_target(p_d, p_t).item() == pytest.approx(0.8)
+    assert confidence_target(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])).item() == 0.0
+
+
+def test_l1_term_is_not_halved_and_weights_decay_exponentially():
+    torch.manual_seed(0)
+    logits, tlogits = torch.randn(3, 4, 10), torch.randn(3, 4, 10)
+    labels, valid = torch.randint(0, 10, (3, 4)), torch.ones(3, 4, dtype=torch.bool)
+    terms = block_loss(logits, tlogits, labels, valid, None, 0.0, 1.0, 0.0, gamma=4.0)
+    l1 = (logits.softmax(-1) - tlogits.softmax(-1)).abs().sum(-1)
+    w = torch.exp(-torch.arange(4) / 4.0)
+    assert terms.l1.item() == pytest.approx(((l1 * w).sum() / (w.sum() * 3)).item(), rel=1e-5)
+    assert position_weights(3, 4.0).tolist() == pytest.approx([1.0, math.exp(-0.25), math.exp(-0.5)])
+
+
+def test_block_sees_only_context_before_its_anchor(tiny_target):
+    d = _drafter(tiny_target)
+    T = 12
+    tokens = torch.randint(6, 64, (1, T))
+    aux = torch.randn(1, T, 3 * 32)
+    anchors = torch.tensor([[6]])
+    base = d.forward_train(aux, tokens, anchors).logits
+    later = aux.clone(); later[:, 6:] += 5.0  # positions >= anchor
+    torch.testing.assert_close(d.forward_train(later, tokens, anchors).logits, base)
+    earlier = aux.clone(); earlier[:, 5] += 5.0  # position a-1 is visible
+    assert not torch.allclose(d.forward_train(earlier, tokens, anchors).logits, base)
+
+
+def test_blocks_trained_together_do_not_see_each_other(tiny_target):
+    d = _drafter(tiny_target)
+    tokens = torch.randint(6, 64, (1, 16))
+    aux = torch.randn(1, 16, 96)
+    both = d.forward_train(aux, tokens, torch.tensor([[4, 10]])).logits
+    alone = d.forward_train(aux, tokens, torch.tensor([[4]])).logits
+    torch.testing.assert_close(both[:, :1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_accept_len_counts_the_bonus_token_and_rate_at_k_is_conditional():
+    assert accept_len([0, 0, 0]) == 1.0
+    assert accept_len([3, 1]) == 3.0
+    rates = accept_rate_at_k([2, 0, 1], [3, 3, 3], 3)
+    assert rates[0] == pytest.approx(2 / 3)  # 2 of 3 rounds accept draft 1
+    assert rates[1] == pytest.approx(1 / 2)  # of the 2 that reached draft 2, one accepts it
+    assert rates[2] == pytest.approx(0.0)

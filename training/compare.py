@@ -1,0 +1,87 @@
+"""``dspark bench-train``: DSpark vs DFlash vs Eagle3 on the same data and the same budget.
+
+Same self-distilled records, same feature cache, same steps / batch / anchors per
+sequence / learning-rate schedule; then the same batch-1 evaluation on math, code and
+chat at each temperature. Writes ``train_compare.json``, ``.md`` and a plot.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+
+def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("dspark", "dflash", "eagle3")) -> dict:
+    from dspark.engine.evaluate import evaluate, print_table
+
+    from .checkpoint import load_checkpoint
+    from .config import load_algo
+    from .data import prepare_data
+    from .target import load_target
+    from .trainer import train
+
+    target = load_target(cfg.target)
+    prepare_data(cfg, target)
+    results, timings = [], {}
+    for algo in algos:
+        c = copy.deepcopy(cfg)
+        c.algo = load_algo(algo)
+        c.name = f"{cfg.name}-{algo}"
+        data_link = c.run_dir / "data"
+        data_link.parent.mkdir(parents=True, exist_ok=True)
+        if not data_link.exists():
+            data_link.symlink_to((cfg.run_dir / "data").resolve())
+        t0 = time.perf_counter()
+        ckpt = train(c, target)
+        timings[algo] = time.perf_counter() - t0
+        drafter, _, _ = load_checkpoint(ckpt, target)
+        e = cfg.eval
+        results += [r for r in evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task,
+                                        e.max_new_tokens, e.seed, cfg.data.data_root)]
+    print_table(results)
+    report = {"target": cfg.target.name, "command": command,
+              "budget": {"steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+                         "blocks_per_seq": cfg.train.blocks_per_seq, "records": cfg.data.max_prompts,
+                         "draft_layers": cfg.target.draft_layers, "block_size": cfg.target.block_size,
+                         "train_seconds": timings},
+               "results": results}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train_compare.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "train_compare.md").write_text(markdown_table(report))
+    plot_comparison(report, out_dir / "train_compare.png")
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    lines = [f"# Drafter comparison on {report['target']}", "", f"Command: `{report['command']}`", "",
+             f"Budget: `{json.dumps(report['budget'])}`", "",
+             "| drafter | task | T | accept_len | rate@1 | rate@2 | rate@3 | rounds |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        rates = (r["accept_rate_at_k"] + [float("nan")] * 3)[:3]
+        lines.append(f"| {r['drafter']} | {r['task']} | {r['temperature']:g} | {r['accept_len']:.3f} | "
+                     + " | ".join(f"{x:.2f}" for x in rates) + f" | {r['rounds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in report["results"]})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        rows = [r for r in report["results"] if r["temperature"] == t]
+        tasks = list(dict.fromkeys(r["task"] for r in rows))
+        drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+        w = 0.8 / len(drafters)
+        for i, d in enumerate(drafters):
+            vals = [next(r["accept_len"] for r in rows if r["task"] == tk and r["drafter"] == d) for tk in tasks]
+            ax.bar([j + i * w for j in range(len(tasks))], vals, w, label=d)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(tasks))], tasks)
+        ax.set_title(f"accept_len, T={t:g}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,199 @@
+"""DSpark / DFlash block drafter: one parallel pass drafts a whole block.
+
+Context: target features from ``layer_ids`` (pre final norm) concatenated ->
+``fc (m*d -> d, no bias)`` -> RMSNorm = ``H_ctx``. Every draft layer sees
+``[K/V of H_ctx ; K/V of the block]``; queries come from the block only; attention is
+non-causal inside a block; a block anchored at position ``a`` sees context ``< a`` only.
+
+Block input: ``[anchor, mask x (B-1)]`` at positions ``a .. a+B-1``; output ``k``
+(``k = 1..B``) predicts token ``a+k``. The embedding and LM head are the target's, frozen.
+DFlash is this model with the Markov and confidence heads switched off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..heads import ConfidenceHead, MarkovHead
+from .layers import DraftLayer, LayerShape, Rope
+
+
+@dataclass
+class DrafterConfig:
+    algo: str  # dspark | dflash | eagle3
+    hidden_size: int
+    vocab_size: int
+    num_aux_layers: int  # m, number of target layers fused
+    num_layers: int  # draft layers
+    block_size: int
+    mask_token_id: int
+    markov_head: str  # vanilla | rnn | none
+    markov_rank: int
+    confidence_head: bool
+
+
+@dataclass
+class BlockOutput:
+    logits: torch.Tensor  # [..., K, V] corrected logits (Markov bias added when present)
+    conf_logits: torch.Tensor | None  # [..., K] confidence logits, or None
+    hidden: torch.Tensor  # [..., K, d]
+
+
+class BlockDrafter(nn.Module):
+    """Parallel block drafter with optional Markov and confidence heads (DSpark / DFlash)."""
+
+    def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        self.cfg = cfg
+        shape = LayerShape.from_hf_config(hf_config)
+        d = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
+        self.ctx_norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.rope = Rope(hf_config)
+        # frozen, shared with the target; not part of the drafter's state dict
+        self._frozen = {"embed": embed, "lm_head": lm_head}
+        self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank, cfg.markov_head) if cfg.markov_head != "none" else None
+        rank = cfg.markov_rank if self.markov is not None else 0
+        self.confidence = ConfidenceHead(d, rank) if cfg.confidence_head else None
+
+    # -- shared frozen pieces -----------------------------------------------------------------
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._frozen["embed"]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._frozen["lm_head"]
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [N, T, m*d] -> H_ctx [N, T, d]."""
+        return self.ctx_norm(self.fc(aux))
+
+    def context_kv(self, h_ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of the context, [N, Hkv, T, hd] each; cacheable (depends only on the target)."""
+        cos, sin = self.rope(positions, h_ctx.dtype)
+        return [layer.kv(h_ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, block_tokens: torch.Tensor, block_pos: torch.Tensor,
+                     ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """block_tokens/pos [N, Q]; mask [N, Q, T+Q] -> normed hidden [N, Q, d]."""
+        h = self.embed(block_tokens)
+        cos, sin = self.rope(block_pos, h.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, cos, sin, k, v, mask)
+        return self.norm(h)
+
+    def block_tokens(self, anchor: torch.Tensor) -> torch.Tensor:
+        """anchor [...] -> [..., K] = [anchor, mask, ..., mask]."""
+        K = self.cfg.block_size
+        out = torch.full(anchor.shape + (K,), self.cfg.mask_token_id, dtype=torch.long, device=anchor.device)
+        out[..., 0] = anchor
+        return out
+
+    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> BlockOutput:
+        """Teacher-forced heads: hidden [..., K, d], prev_tokens x_{k-1} [..., K]."""
+        logits = self.lm_head(hidden)
+        conf = None
+        if self.markov is not None:
+            feat, emb = self.markov.features(prev_tokens, hidden)
+            logits = logits + self.markov.bias(feat)
+        else:
+            emb = hidden.new_zeros(hidden.shape[:-1] + (0,))
+        if self.confidence is not None:
+            conf = self.confidence(hidden, emb)
+        return BlockOutput(logits=logits, conf_logits=conf, hidden=hidden)
+
+    # -- training -----------------------------------------------------------------------------
+    def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> BlockOutput:
+        """aux [N, T, m*d], tokens [N, T], anchors [N, nb] (positions, all < T).
+
+        Returns outputs shaped [N, nb, K, ...]; block b's output k predicts tokens[a_b + k].
+        """
+        N, T = tokens.shape
+        nb, K = anchors.shape[1], self.cfg.block_size
+        h_ctx = self.context(aux)
+        ctx_pos = torch.arange(T, device=tokens.device).expand(N, T)
+        ctx_kv = self.context_kv(h_ctx, ctx_pos)
+        anchor_tok = tokens.gather(1, anchors)  # [N, nb]
+        blk = self.block_tokens(anchor_tok).reshape(N, nb * K)
+        offs = torch.arange(K, device=tokens.device)
+        blk_pos = (anchors.unsqueeze(-1) + offs).reshape(N, nb * K)
+        # context visibility: block b sees positions < a_b; own keys: same block only
+        q_anchor = anchors.repeat_interleave(K, dim=1)  # [N, Q]
+        ctx_mask = torch.arange(T, device=tokens.device).view(1, 1, T) < q_anchor.unsqueeze(-1)
+        blk_id = torch.arange(nb, device=tokens.device).repeat_interleave(K)
+        own = (blk_id.view(-1, 1) == blk_id.view(1, -1)).expand(N, -1, -1)
+        mask = torch.cat([ctx_mask, own], dim=-1)
+        hidden = self.block_hidden(blk, blk_pos, ctx_kv, mask).view(N, nb, K, -1)
+        # teacher forcing: x_{k-1} = tokens[a + k - 1] (x_0 = anchor)
+        prev_pos = (anchors.unsqueeze(-1) + offs).clamp(max=T - 1)
+        prev = tokens.gather(1, prev_pos.reshape(N, -1)).view(N, nb, K)
+        return self.heads(hidden, prev)
+
+    # -- inference ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor,
+                temperature: torch.Tensor, generator: torch.Generator | None = None) -> "Proposal":
+        """Draft K tokens for R requests in one parallel pass, then the sequential heads.
+
+        anchor/anchor_pos [R]; ctx_kv per layer [R, Hkv, T, hd]; ctx_valid [R, T] bool;
+        temperature [R] (0 = greedy drafts). Draft probabilities are those of the
+        corrected logits at the request's temperature (what rejection sampling needs).
+        """
+        K = self.cfg.block_size
+        R = anchor.shape[0]
+        blk = self.block_tokens(anchor)
+        pos = anchor_pos.unsqueeze(-1) + torch.arange(K, device=anchor.device)
+        mask = torch.cat([ctx_valid.unsqueeze(1).expand(R, K, -1),
+                          torch.ones(R, K, K, dtype=torch.bool, device=anchor.device)], dim=-1)
+        hidden = self.block_hidden(blk, pos, ctx_kv, mask)  # [R, K, d]
+        base = self.lm_head(hidden).float()  # [R, K, V]
+        return sample_sequential(self, base, hidden, anchor, temperature, generator)
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [R, K] drafts
+    probs: torch.Tensor  # [R, K, V] distributions the drafts were drawn from
+    conf_logits: torch.Tensor | None  # [R, K]
+
+
+def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [R, V], temperature [R] -> probs [R, V] (one-hot argmax where temperature is 0)."""
+    t = temperature.float().unsqueeze(-1)
+    probs = torch.softmax(logits.float() / torch.where(t > 0, t, torch.ones_like(t)), dim=-1)
+    onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where(t > 0, probs, onehot)
+
+
+def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
+                      temperature: torch.Tensor, generator: torch.Generator | None) -> Proposal:
+    """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}]))."""
+    R, K, V = base.shape
+    tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
+    probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
+    confs = [] if model.confidence is not None else None
+    prev = anchor
+    state = None
+    for k in range(K):
+        logits = base[:, k]
+        if model.markov is not None:
+            feat, emb = model.markov.features(prev.unsqueeze(-1), hidden[:, k:k + 1], state)
+            feat, emb = feat[:, 0], emb[:, 0]
+            state = feat if model.markov.kind == "rnn" else None
+            logits = logits + model.markov.bias(feat).float()
+        else:
+            emb = hidden.new_zeros(R, 0)
+        if confs is not None:
+            confs.append(model.confidence(hidden[:, k], emb))
+        p = draft_distribution(logits, temperature)
+        x = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        tokens[:, k] = x
+        probs[:, k] = p
+        prev = x
+    return Proposal(tokens=tokens, probs=probs, conf_logits=torch.stack(confs, -1) if confs is not None else None)

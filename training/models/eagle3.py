@@ -1,0 +1,131 @@
+"""Eagle3-style baseline: an autoregressive drafter on fused target features.
+
+Entry ``i`` of the drafter's sequence combines a feature ``f_i`` with the embedding of
+token ``x_{i+1}`` and predicts ``x_{i+2}``. For context entries ``f_i`` is the fused target
+feature at position ``i`` (``fc`` of the concatenated ``layer_ids`` outputs, as DSpark);
+while drafting, step ``k`` uses the drafter's own previous output hidden state instead.
+Training unrolls this ("training-time test") for ``ttt_steps`` steps: query ``(i, k)``
+sees the true entries ``<= i`` and its own chain ``(i, 1..k)``, exactly what it sees at
+inference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .block_drafter import DrafterConfig, Proposal, draft_distribution
+from .layers import DraftLayer, LayerShape, Rope
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        self.cfg = cfg
+        shape = LayerShape.from_hf_config(hf_config)
+        d = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
+        self.ctx_norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.emb_norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.combine = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.rope = Rope(hf_config)
+        self._frozen = {"embed": embed, "lm_head": lm_head}
+        self.markov = None
+        self.confidence = None
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._frozen["embed"]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._frozen["lm_head"]
+
+    def entry(self, feature: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """feature [N, T, d] (fused target feature or own hidden), next_tokens [N, T] -> [N, T, d]."""
+        return self.combine(torch.cat([feature, self.emb_norm(self.embed(next_tokens))], dim=-1))
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.ctx_norm(self.fc(aux))
+
+    def run_layers(self, x: torch.Tensor, pos: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """x [N, Q, d] at pos [N, Q] over past K/V (per layer) -> (pre-norm hidden, this call's K/V)."""
+        cos, sin = self.rope(pos, x.dtype)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            new_kv.append(layer.kv(layer.input_layernorm(x), cos, sin))
+            k, v = past[i] if past is not None else (None, None)
+            x = layer(x, cos, sin, k, v, mask)
+        return x, new_kv
+
+    # -- training -----------------------------------------------------------------------------
+    def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """aux [N, T, m*d], tokens [N, T] -> normed hidden [steps, N, T, d] (LM head input).
+
+        Step k's output at position i predicts ``tokens[i + 2 + k]``; the caller applies the
+        LM head only where it computes a loss (logits for every position would not fit).
+        Each step runs the layers over all positions with keys [true entries ; chain entries].
+        """
+        N, T = tokens.shape
+        dev = tokens.device
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # x_{i+1}
+        pos = torch.arange(T, device=dev).expand(N, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        x0 = self.entry(self.fuse(aux), nxt)
+        h, true_kv = self.run_layers(x0, pos, None, causal.expand(N, T, T))
+        outs = [self.norm(h)]
+        eye = torch.eye(T, dtype=torch.bool, device=dev)
+        chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for k in range(1, steps):
+            shift = torch.cat([tokens[:, 1 + k:], tokens[:, -1:].expand(N, min(1 + k, T))], dim=1)[:, :T]
+            xk = self.entry(h, shift)
+            pos_k = (pos + k)
+            # keys: true entries (causal) + chain entries of steps 1..k-1 (diagonal) + own (diagonal)
+            past = []
+            for li in range(len(self.layers)):
+                ks = [true_kv[li][0]] + [c[li][0] for c in chain]
+                vs = [true_kv[li][1]] + [c[li][1] for c in chain]
+                past.append((torch.cat(ks, dim=2), torch.cat(vs, dim=2)))
+            mask = torch.cat([causal] + [eye] * len(chain) + [eye], dim=-1).expand(N, T, -1)
+            h, kv_k = self.run_layers(xk, pos_k, past, mask)
+            chain.append(kv_k)
+            outs.append(self.norm(h))
+        return torch.stack(outs)
+
+    # -- inference ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose_from(self, last_hidden: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]],
+                     past_valid: torch.Tensor, next_pos: torch.Tensor, temperature: torch.Tensor,
+                     generator: torch.Generator | None = None) -> Proposal:
+        """Draft K tokens autoregressively.
+
+        last_hidden [R, d]: pre-norm output of the last true entry (it predicts draft 1);
+        past per layer [R, Hkv, T, hd] with past_valid [R, T]; next_pos [R] = position of
+        the first chain entry.
+        """
+        K = self.cfg.block_size
+        R = last_hidden.shape[0]
+        V = self.lm_head.weight.shape[0]
+        tokens = torch.empty(R, K, dtype=torch.long, device=last_hidden.device)
+        probs = torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
+        h = last_hidden
+        keys = [list(kv) for kv in past]
+        valid = past_valid
+        for k in range(K):
+            p = draft_distribution(self.lm_head(self.norm(h)).float(), temperature)
+            x = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+            tokens[:, k], probs[:, k] = x, p
+            if k == K - 1:
+                break
+            xin = self.entry(h.unsqueeze(1), x.unsqueeze(1))
+            pos = (next_pos + k).unsqueeze(1)
+            mask = torch.cat([valid, torch.ones(R, 1, dtype=torch.bool, device=valid.device)], dim=-1).unsqueeze(1)
+            out, kv = self.run_layers(xin, pos, [tuple(kv_) for kv_ in keys], mask)
+            for li in range(len(keys)):
+                keys[li][0] = torch.cat([keys[li][0], kv[li][0]], dim=2)
+                keys[li][1] = torch.cat([keys[li][1], kv[li][1]], dim=2)
+            valid = torch.cat([valid, torch.ones(R, 1, dtype=torch.bool, device=valid.device)], dim=-1)
+            h = out[:, 0]
+        return Proposal(tokens=tokens, probs=probs, conf_logits=None)

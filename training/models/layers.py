@@ -1,0 +1,134 @@
+"""Target-shaped decoder layers for drafters.
+
+A ``DraftLayer`` has the target's attention/MLP shapes (heads, kv heads, head dim,
+intermediate size, norm eps, RoPE of the target config) but its keys/values are the
+concatenation of an *external context* (projected target features) and the layer's own
+queries' hidden states. Masks are boolean, True = may attend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LayerShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    qk_norm: bool  # Qwen3-style per-head RMSNorm on q and k
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "LayerShape":
+        heads = cfg.num_attention_heads
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size,
+            rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            qk_norm=getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+        )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, T, hd]; cos/sin [N, T, hd]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class Rope(nn.Module):
+    """RoPE tables computed by the target's own rotary class (handles its scaling type)."""
+
+    def __init__(self, hf_config):
+        super().__init__()
+        from transformers import AutoModel  # noqa: F401  (ensures the model registry is loaded)
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+        if rope_type == "default":
+            base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+            dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            self.scaling = 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N, T] -> cos, sin [N, T, hd]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inter, bias=False)
+        self.up_proj = nn.Linear(d, inter, bias=False)
+        self.down_proj = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer attending over [external context K/V ; own K/V]."""
+
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.s = s
+        d, hd = s.hidden_size, s.head_dim
+        self.q_proj = nn.Linear(d, s.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, s.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, s.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=s.rms_eps) if s.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd, eps=s.rms_eps) if s.qk_norm else nn.Identity()
+        self.input_layernorm = nn.RMSNorm(d, eps=s.rms_eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=s.rms_eps)
+        self.mlp = SwiGLU(d, s.intermediate_size)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        N, T, _ = x.shape
+        return x.view(N, T, n, self.s.head_dim).transpose(1, 2)  # (N, n, T, hd)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of hidden states x [N, T, d] at RoPE (cos, sin) -> 2 x [N, Hkv, T, hd]."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.s.num_kv_heads)), cos, sin)
+        v = self._heads(self.v_proj(x), self.s.num_kv_heads)
+        return k, v
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [N, Q, d] query-side hidden states
+        cos: torch.Tensor, sin: torch.Tensor,  # [N, Q, hd] RoPE at the query positions
+        ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None,  # [N, Hkv, T, hd] external context
+        mask: torch.Tensor,  # [N, Q, T + Q] bool over [context ; own keys]
+    ) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.s.num_heads)), cos, sin)
+        k, v = self.kv(x, cos, sin)
+        if ctx_k is not None:
+            k = torch.cat([ctx_k, k], dim=2)
+            v = torch.cat([ctx_v, v], dim=2)
+        rep = self.s.num_heads // self.s.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        N, _, Q, _ = attn.shape
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,243 @@
+"""The drafter trainer: ``dspark train -c run.yaml [key=value ...]``.
+
+Single process on CPU or GPU, or under ``torchrun --nproc_per_node N`` (DDP, or FSDP with
+``train.distributed=fsdp``; gloo on CPU, nccl on GPU), unchanged. Every random choice of
+step ``s`` (batch order, anchors) is derived from ``(seed, s)``, so a run resumed from a
+checkpoint continues exactly as the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from .checkpoint import load_checkpoint, read_meta, save_checkpoint
+from .config import RunConfig
+from .data import FeatureCache, Record, iterate_batches, read_records
+from .loss import LossTerms, block_loss, eagle_loss
+from .models import build_drafter, drafter_config_for
+
+log = logging.getLogger(__name__)
+MAX_TRAIN_TOKENS = 512
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [N, T]
+    aux: torch.Tensor  # [N, T, m*d]
+    last: torch.Tensor  # [N, T, d]
+    lengths: torch.Tensor  # [N]
+    prompt_lens: torch.Tensor  # [N]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if dist.is_initialized() and torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup then cosine decay to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / max(warmup, 1)
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def collate(records: list[Record], idx: list[int], target, cache: FeatureCache | None, device) -> Batch:
+    recs = [records[i] for i in idx]
+    lens = [min(len(r.ids), MAX_TRAIN_TOKENS) for r in recs]
+    T = max(lens)
+    tokens = torch.zeros(len(recs), T, dtype=torch.long)
+    for j, r in enumerate(recs):
+        tokens[j, : lens[j]] = torch.tensor(r.ids[: lens[j]])
+    lengths = torch.tensor(lens)
+    prompt_lens = torch.tensor([len(r.prompt_ids) for r in recs])
+    if cache is not None:
+        aux = torch.zeros(len(recs), T, cache.manifest["aux_dim"])
+        last = torch.zeros(len(recs), T, cache.manifest["last_dim"])
+        for j, i in enumerate(idx):
+            a, l_ = cache.get(i)
+            aux[j, : lens[j]], last[j, : lens[j]] = a[: lens[j]], l_[: lens[j]]
+    else:
+        mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+        f = target.features(tokens.to(device), mask.long().to(device))
+        aux, last = f.aux, f.last
+    return Batch(tokens.to(device), aux.to(device), last.to(device), lengths.to(device), prompt_lens.to(device))
+
+
+def sample_anchors(b: Batch, blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Random anchors per sequence in [prompt_len - 1, length - 2]: every block predicts answer tokens."""
+    lo = (b.prompt_lens - 1).clamp(min=0).cpu()
+    hi = (b.lengths - 2).clamp(min=0).cpu()
+    span = (hi - lo + 1).clamp(min=1)
+    u = torch.rand(len(lo), blocks, generator=gen)
+    return (lo.unsqueeze(1) + (u * span.unsqueeze(1)).long().clamp(max=span.unsqueeze(1) - 1)).clamp(min=0).to(b.tokens.device)
+
+
+def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
+    """DSpark / DFlash loss on random anchor blocks."""
+    K = core.cfg.block_size
+    anchors = sample_anchors(b, cfg.train.blocks_per_seq, gen)  # [N, nb]
+    out = model(b.aux, b.tokens, anchors)
+    offs = torch.arange(1, K + 1, device=anchors.device)
+    tgt_pos = anchors.unsqueeze(-1) + offs  # [N, nb, K] positions predicted
+    N, T = b.tokens.shape
+    valid = (tgt_pos < b.lengths.view(N, 1, 1)) & (tgt_pos >= b.prompt_lens.view(N, 1, 1))
+    safe = tgt_pos.clamp(max=T - 1)
+    labels = b.tokens.gather(1, safe.view(N, -1)).view_as(safe)
+    last = b.last.gather(1, (safe - 1).view(N, -1, 1).expand(-1, -1, b.last.shape[-1]))
+    target_logits = core.lm_head(last.to(core.lm_head.weight.dtype)).view(*safe.shape, -1)
+    lc = cfg.algo.loss
+    return block_loss(out.logits, target_logits, labels, valid, out.conf_logits,
+                      lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma)
+
+
+def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
+    """Eagle3 soft-CE with training-time test over ``ttt_steps`` unrolled steps."""
+    S = cfg.algo.loss.ttt_steps
+    N, T = b.tokens.shape
+    hidden = model(b.aux, b.tokens, S)  # [S, N, T, d]
+    # score the same number of positions as the block drafters see: blocks_per_seq * K
+    n_pos = min(cfg.train.blocks_per_seq * core.cfg.block_size, T)
+    anchors = sample_anchors(b, n_pos, gen) - 1  # position i: step 0 predicts tokens[i + 2]
+    anchors = anchors.clamp(min=0)
+    steps = torch.arange(S, device=anchors.device).view(S, 1, 1)
+    pred = anchors.unsqueeze(0) + 2 + steps  # [S, N, P] predicted token positions
+    valid = (pred < b.lengths.view(1, N, 1)) & (pred >= b.prompt_lens.view(1, N, 1))
+    h = hidden.gather(2, anchors.unsqueeze(0).expand(S, -1, -1).unsqueeze(-1).expand(-1, -1, -1, hidden.shape[-1]))
+    src = (pred - 1).clamp(max=T - 1)
+    last = b.last.unsqueeze(0).expand(S, -1, -1, -1).gather(2, src.unsqueeze(-1).expand(-1, -1, -1, b.last.shape[-1]))
+    logits = core.lm_head(h)
+    target_logits = core.lm_head(last.to(core.lm_head.weight.dtype))
+    return eagle_loss(logits, target_logits, valid, cfg.algo.loss.step_decay)
+
+
+class _TrainForward(nn.Module):
+    """Routes DDP/FSDP's forward() to the drafter's training forward."""
+
+    def __init__(self, drafter: nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *args):
+        return self.drafter.forward_train(*args)
+
+
+def _setup_distributed() -> tuple[int, int]:
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train(cfg: RunConfig, target=None, records: list[Record] | None = None, progress: bool = True) -> Path:
+    """Train a drafter; returns the final checkpoint directory. Resumes from ``<run>/checkpoints/last``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from .target import load_target
+
+    rank, world = _setup_distributed()
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    torch.manual_seed(cfg.train.seed)
+    target = target or load_target(cfg.target, device=device)
+    run_dir = cfg.run_dir
+    records = records if records is not None else read_records(run_dir / "data" / "records.jsonl")
+    if not records:
+        raise RuntimeError(f"no training records in {run_dir / 'data'}: run `dspark prepare-data` first")
+    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
+    cache = None
+    if cfg.data.features == "cache":
+        cache = FeatureCache(run_dir / "data" / "features", expect_target=target.identity())
+
+    dcfg = drafter_config_for(cfg, target)
+    ckpt_dir = run_dir / "checkpoints"
+    last_ckpt = ckpt_dir / "last"
+    start_step = 0
+    train_state = None
+    if (last_ckpt / "drafter.json").is_file():
+        drafter, dcfg, meta = load_checkpoint(last_ckpt, target)
+        start_step = meta["step"]
+        train_state = torch.load(last_ckpt / "train_state.pt", weights_only=False)
+        if rank == 0:
+            log.info("resuming from %s at step %d", last_ckpt, start_step)
+    else:
+        drafter = build_drafter(dcfg, target)
+    drafter = drafter.to(device=device)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    model: nn.Module = _TrainForward(drafter)
+    if world > 1:
+        if cfg.train.distributed == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            model = FSDP(model, use_orig_params=True)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+    total = cfg.train.steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.train.warmup_steps, total, cfg.train.min_lr_ratio))
+    if train_state is not None:
+        opt.load_state_dict(train_state["optimizer"])
+        sched.load_state_dict(train_state["scheduler"])
+
+    writer = SummaryWriter(str(run_dir / "tb")) if rank == 0 else None
+    step_fn = eagle_step if dcfg.algo == "eagle3" else block_step
+    batches = iterate_batches(n_train, cfg.train.batch_size * world, cfg.train.seed, start_step)
+    bar = tqdm(range(start_step, total), initial=start_step, total=total, desc=f"train {dcfg.algo}",
+               disable=not progress or rank != 0, unit="step")
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    for step in bar:
+        idx = next(batches)
+        idx = idx[rank::world] or idx[:1]
+        batch = collate(records, idx, target, cache, device)
+        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
+        with autocast:
+            terms = step_fn(model, drafter, batch, cfg, gen)
+        opt.zero_grad(set_to_none=True)
+        terms.total.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        opt.step()
+        sched.step()
+        if writer is not None and (step % cfg.train.log_every == 0 or step == total - 1):
+            writer.add_scalar("loss/total", terms.total.item(), step)
+            writer.add_scalar("loss/ce", terms.ce.item(), step)
+            writer.add_scalar("loss/l1", terms.l1.item(), step)
+            writer.add_scalar("loss/conf", terms.conf.item(), step)
+            writer.add_scalar("train/lr", sched.get_last_lr()[0], step)
+            writer.add_scalar("train/grad_norm", float(gnorm), step)
+            for k, (a, t) in enumerate(zip(terms.accept_est.tolist(), terms.top1_match.tolist()), start=1):
+                writer.add_scalar(f"accept_est/pos{k}", a, step)
+                writer.add_scalar(f"top1_match/pos{k}", t, step)
+            bar.set_postfix(loss=f"{terms.total.item():.3f}", acc1=f"{terms.accept_est[0].item():.2f}")
+        done = step + 1
+        if rank == 0 and (done % cfg.train.save_every == 0 or done == total):
+            save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), done,
+                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    if writer is not None:
+        writer.close()
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0 and start_step >= total and not (last_ckpt / "drafter.json").is_file():
+        raise RuntimeError("nothing trained")
+    read_meta(last_ckpt)
+    return last_ckpt
