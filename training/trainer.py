@@ -147,8 +147,13 @@ def _setup_distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def train(cfg: RunConfig, target=None, records: list[Record] | None = None, progress: bool = True) -> Path:
-    """Train a drafter; returns the final checkpoint directory. Resumes from ``<run>/checkpoints/last``."""
+def train(cfg: RunConfig, target=None, records: list[Record] | None = None, progress: bool = True,
+          stop_after: int | None = None) -> Path:
+    """Train a drafter; returns the latest checkpoint directory. Resumes from ``<run>/checkpoints/last``.
+
+    ``stop_after`` ends this invocation after that many steps (a time-boxed job; the next
+    call resumes where it stopped and ends exactly as one uninterrupted run).
+    """
     from torch.utils.tensorboard import SummaryWriter
 
     from .target import load_target
@@ -207,6 +212,11 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
                disable=not progress or rank != 0, unit="step")
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for step in bar:
+        if stop_after is not None and step - start_step >= stop_after:
+            if rank == 0:
+                save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), step,
+                                {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+            break
         idx = next(batches)
         idx = idx[rank::world] or idx[:1]
         batch = collate(records, idx, target, cache, device)

@@ -1,0 +1,116 @@
+"""Trainer resume determinism and checkpoint validation (tiny random target, online features)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.training.checkpoint import CheckpointError, load_checkpoint
+from dspark.training.config import ConfigError, load_run_config
+from dspark.training.data import Record
+from dspark.training.trainer import train
+
+from ..conftest import make_tiny_target, tiny_run_config
+
+
+def _records(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = torch.randint(6, 64, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
+        a = torch.randint(6, 64, (int(torch.randint(10, 20, (1,), generator=g)),), generator=g).tolist()
+        out.append(Record(p, a))
+    return out
+
+
+def _cfg(tmp_path, algo, name, steps, save_every):
+    cfg = tiny_run_config(algo)
+    cfg.output_root, cfg.name = str(tmp_path), name
+    cfg.data.features = "online"
+    cfg.train.steps, cfg.train.save_every, cfg.train.batch_size, cfg.train.blocks_per_seq = steps, save_every, 3, 4
+    cfg.train.warmup_steps = 2
+    return cfg
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_resuming_after_interruption_gives_the_same_weights(tmp_path, algo):
+    target, records = make_tiny_target(), _records()
+    full = train(_cfg(tmp_path, algo, "full", 6, 6), target, records, progress=False)
+    part_cfg = _cfg(tmp_path, algo, "part", 6, 100)
+    train(part_cfg, target, records, progress=False, stop_after=3)  # interrupted after 3 steps
+    resumed = train(part_cfg, target, records, progress=False)
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k} differs after resume")
+
+
+def test_training_reduces_the_loss(tmp_path):
+    target, records = make_tiny_target(), _records(6)
+    cfg = _cfg(tmp_path, "dspark", "fit", 40, 40)
+    cfg.train.lr = 3e-3
+    from dspark.training import trainer as tr
+    losses = []
+    orig = tr.block_step
+
+    def spy(*a, **k):
+        t = orig(*a, **k)
+        losses.append(t.total.item())
+        return t
+    tr.block_step = spy
+    try:
+        train(cfg, target, records, progress=False)
+    finally:
+        tr.block_step = orig
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_checkpoint_for_another_target_is_refused_with_the_field_named(tmp_path):
+    target, records = make_tiny_target(), _records(4)
+    ckpt = train(_cfg(tmp_path, "dspark", "c", 1, 1), target, records, progress=False)
+    meta = json.loads((ckpt / "drafter.json").read_text())
+    meta["target"]["vocab_size"] = 151936
+    (ckpt / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        load_checkpoint(ckpt, target)
+
+
+def test_truncated_or_corrupt_checkpoint_gives_a_one_line_error(tmp_path):
+    target, records = make_tiny_target(), _records(4)
+    ckpt = train(_cfg(tmp_path, "dspark", "t", 1, 1), target, records, progress=False)
+    w = ckpt / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(ckpt, target)
+    (ckpt / "drafter.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupt JSON"):
+        load_checkpoint(ckpt, target)
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    target, records = make_tiny_target(), _records(4)
+    ckpt = train(_cfg(tmp_path, "dflash", "d", 1, 1), target, records, progress=False)
+    meta = json.loads((ckpt / "drafter.json").read_text())
+    meta["drafter"]["algo"] = "dspark"
+    meta["drafter"]["markov_head"] = "vanilla"
+    (ckpt / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="tensor names"):
+        load_checkpoint(ckpt, target)
+
+
+def test_config_rejects_unknown_keys_and_wrong_types():
+    with pytest.raises(ConfigError, match="unknown config key 'train.stepz'"):
+        load_run_config("quickstart", ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="train.steps: expected an integer"):
+        load_run_config("quickstart", ["train.steps=abc"])
+    with pytest.raises(ConfigError, match="no target profile 'nope'"):
+        load_run_config("quickstart", ["target=nope"])
+    cfg = load_run_config("quickstart", ["algo=dflash", "target.block_size=5"])
+    assert cfg.algo.algo == "dflash" and cfg.target.block_size == 5 and cfg.target.layer_ids == [1, 8, 15, 22, 28]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "qwen3-14b", "gemma3-270m"])
+def test_every_bundled_target_profile_resolves(name):
+    cfg = load_run_config("quickstart", [f"target={name}"])
+    assert cfg.target.name == name and cfg.target.layer_ids
