@@ -7,7 +7,9 @@ so they must be calibrated, not just well ranked. STS fits one temperature per p
 left to right: at position k the temperatures of positions < k are already fixed, and
 ``T_k`` is picked from a 1-D grid to minimise the ECE of
 ``a_k(T) = prod_{i<k} sigmoid(z_i / T_i) * sigmoid(z_k / T)`` against the indicator that
-the accepted prefix reaches k (``accepted_len >= k + 1``) on held-out rounds.
+the accepted prefix reaches k (``accepted_len >= k + 1``, positions 0-based) on held-out
+rounds. Rounds that verified fewer than k+1 drafts say nothing about position k; pass
+``num_proposed`` and they are left out of that position's fit (default: all K verified).
 Dividing a logit by a positive temperature is monotone, so the ranking of ``c_k`` across
 drafts (its AUC) is unchanged; only the magnitudes move.
 

@@ -1,0 +1,262 @@
+"""Invariants of the verify-length policies in dspark.engine.scheduler."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.scheduler import (
+    SCHEDULERS,
+    Algorithm1Scheduler,
+    AsyncScheduler,
+    FixedLength,
+    StaticThreshold,
+    UnknownSchedulerError,
+    expected_throughput,
+    make_scheduler,
+    top_capacity_lens,
+)
+from dspark.engine.sps import SpsTable
+from dspark.plugins.reference import prefix_survival, schedule_prefix
+
+K = 7
+
+
+def _sps(n: int, slope: float) -> torch.Tensor:
+    """Steps/s for batch tokens 0..n with step time 1 + slope * B."""
+    b = torch.arange(n + 1, dtype=torch.float64)
+    return 1.0 / (1.0 + slope * b)
+
+
+def _random_case(seed: int, R: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    conf = torch.rand(R, K, generator=g) ** 0.3  # mostly confident, some low
+    conf[conf < 0.15] = 0.0  # some hard zeros
+    cap = torch.randint(0, K + 1, (R,), generator=g)
+    return conf, cap
+
+
+def _policies(n: int):
+    sps = _sps(n, 0.05)
+    return [FixedLength(), FixedLength(3), StaticThreshold(0.5), Algorithm1Scheduler(sps), AsyncScheduler(sps)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_policy_returns_int64_lengths_between_zero_and_cap(seed):
+    conf, cap = _random_case(seed)
+    for policy in _policies(n=conf.shape[0] * (K + 1)):
+        for _ in range(3):  # async: sync steps then async steps
+            lens = policy(conf, cap)
+            assert lens.dtype == torch.int64 and lens.shape == cap.shape, policy.name
+            assert bool((lens >= 0).all() and (lens <= cap).all()), f"{policy.name}: lens {lens} outside [0, {cap}]"
+
+
+def test_policies_without_max_lens_cap_at_K():
+    conf = torch.full((3, K), 0.99)
+    for policy in _policies(n=3 * (K + 1)):
+        assert bool((policy(conf) <= K).all()), policy.name
+
+
+def test_fixed_length_verifies_exactly_min_of_k_and_cap():
+    conf = torch.rand(4, K)
+    cap = torch.tensor([0, 2, 5, 7])
+    assert FixedLength()(conf, cap).tolist() == [0, 2, 5, 7], "FixedLength() verifies every available draft"
+    assert FixedLength(3)(conf, cap).tolist() == [0, 2, 3, 3], "FixedLength(3) verifies min(3, cap)"
+    assert FixedLength(3)(conf).tolist() == [3, 3, 3, 3]
+
+
+def test_static_threshold_verifies_while_cumulative_confidence_reaches_threshold():
+    conf = torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9],   # a = .9 .81 .729 .656 .59 .53 .478
+                         [0.4, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],   # a = .4 ...
+                         [1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0]])  # a = 1 1 .5 .5 ...
+    assert StaticThreshold(0.6)(conf).tolist() == [4, 0, 2]
+    assert StaticThreshold(0.5)(conf).tolist() == [6, 0, 7], "a == threshold is still verified"
+    assert StaticThreshold(0.5)(conf, torch.tensor([2, 7, 3])).tolist() == [2, 0, 3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_threshold_and_async_lengths_are_prefixes_of_the_survival_order(seed):
+    """Every verified draft has a >= every unverified candidate of the same request (prefix rule)."""
+    conf, cap = _random_case(seed)
+    a = prefix_survival(conf)
+    for lens in (StaticThreshold(0.4)(conf, cap), top_capacity_lens(conf, cap, capacity=9)):
+        for r in range(conf.shape[0]):
+            l = int(lens[r])
+            assert bool((a[r, :l] > 0).all()), "never verify a draft with zero survival probability"
+            if 0 < l < int(cap[r]):
+                assert float(a[r, l - 1]) >= float(a[r, l])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_algorithm1_policy_equals_reference_schedule_prefix_with_early_stop(seed):
+    conf, cap = _random_case(seed)
+    sps = _sps(conf.shape[0] * (K + 1), 0.08)
+    want = schedule_prefix(conf, sps, cap, early_stop=True)
+    assert torch.equal(Algorithm1Scheduler(sps)(conf, cap), want)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_algorithm1_is_never_worse_than_verifying_nothing(seed):
+    conf, cap = _random_case(seed)
+    sps = _sps(conf.shape[0] * (K + 1), [0.01, 0.1, 1.0][seed % 3])
+    lens = Algorithm1Scheduler(sps)(conf, cap)
+    zero = torch.zeros_like(lens)
+    assert expected_throughput(conf, lens, sps) >= expected_throughput(conf, zero, sps) - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_algorithm1_beats_fixed_full_verification_on_high_load_tables(seed):
+    g = torch.Generator().manual_seed(seed)
+    R = 32
+    conf = torch.rand(R, K, generator=g) * 0.5 + 0.45  # mediocre drafts
+    sps = _sps(R * (K + 1), 0.2)  # each extra token costs a lot
+    ours = expected_throughput(conf, Algorithm1Scheduler(sps)(conf), sps)
+    fixed = expected_throughput(conf, FixedLength()(conf), sps)
+    assert ours > fixed, f"Algorithm 1 ({ours:.4g}) should beat verifying all K drafts ({fixed:.4g}) under load"
+
+
+def test_algorithm1_verifies_more_drafts_when_verification_is_cheap():
+    conf = torch.full((16, K), 0.8)
+    n = 16 * (K + 1)
+    cheap = Algorithm1Scheduler(_sps(n, 0.001))(conf).sum()
+    costly = Algorithm1Scheduler(_sps(n, 0.5))(conf).sum()
+    assert cheap > costly
+
+
+def test_algorithm1_takes_an_sps_table_object():
+    table = SpsTable(tokens=[1, 16, 64], steps_per_s=[100.0, 90.0, 40.0])
+    conf = torch.full((4, K), 0.9)
+    lens = Algorithm1Scheduler(table)(conf)
+    assert torch.equal(lens, schedule_prefix(conf, table.as_tensor(), early_stop=True))
+    policy = AsyncScheduler(table, max_tokens=128)
+    assert policy.sps.shape == (129,), "max_tokens extends the table past its last profiled count"
+    with pytest.raises(ValueError, match="max_tokens"):
+        Algorithm1Scheduler(table.as_tensor(), max_tokens=128)
+
+
+def test_make_scheduler_error_lists_the_known_names():
+    with pytest.raises(UnknownSchedulerError) as err:
+        make_scheduler("dynamic-magic")
+    msg = str(err.value)
+    assert "dynamic-magic" in msg
+    for name in SCHEDULERS:
+        assert name in msg, f"error should list {name!r}: {msg}"
+
+
+def test_make_scheduler_builds_each_registered_policy():
+    sps = _sps(64, 0.05)
+    kwargs = {"fixed": {"k": 2}, "threshold": {"threshold": 0.5},
+              "algorithm1": {"sps": sps}, "async": {"sps": sps}}
+    assert set(kwargs) == set(SCHEDULERS), "update this test when the registry changes"
+    for name, kw in kwargs.items():
+        policy = make_scheduler(name, **kw)
+        assert policy.name == name and isinstance(policy, SCHEDULERS[name])
+    with pytest.raises(TypeError, match="algorithm1"):
+        make_scheduler("algorithm1")  # missing sps: the message names the policy
+
+
+def test_registry_is_read_only():
+    with pytest.raises(TypeError):
+        SCHEDULERS["mine"] = FixedLength  # type: ignore[index]
+
+
+def test_async_first_two_steps_fall_back_to_synchronous_algorithm1():
+    conf, cap = _random_case(3)
+    sps = _sps(conf.shape[0] * (K + 1), 0.05)
+    policy = AsyncScheduler(sps)
+    for step in range(2):
+        lens = policy(conf, cap)
+        assert policy.last_mode == "sync" and policy.last_capacity is None, f"step {step}"
+        assert torch.equal(lens, schedule_prefix(conf, sps, cap, early_stop=True))
+    policy(conf, cap)
+    assert policy.last_mode == "async"
+
+
+def test_async_capacity_comes_from_confidences_two_steps_old():
+    R = 8
+    sps = _sps(R * (K + 1), 0.02)
+    high = torch.full((R, K), 0.97)
+    low = torch.full((R, K), 0.05)
+    cap_from = {name: int(schedule_prefix(c, sps, early_stop=False).sum()) for name, c in
+                (("high", high), ("low", low))}
+    assert cap_from["high"] > cap_from["low"], "test setup: the two histories must give different capacities"
+    policy = AsyncScheduler(sps)
+    current = torch.rand(R, K, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5
+    policy(high)  # step 0
+    policy(low)  # step 1
+    lens = policy(current)  # step 2: capacity from step 0
+    assert policy.last_capacity == cap_from["high"]
+    assert int(lens.sum()) == min(cap_from["high"], R * K)
+    assert torch.equal(lens, top_capacity_lens(current, torch.full((R,), K), cap_from["high"]))
+    policy(current)  # step 3: capacity from step 1
+    assert policy.last_capacity == cap_from["low"]
+
+
+def test_async_capacity_does_not_depend_on_this_steps_confidences():
+    R = 6
+    sps = _sps(R * (K + 1), 0.05)
+    g = torch.Generator().manual_seed(1)
+    history = [torch.rand(R, K, generator=g) for _ in range(2)]
+    caps = []
+    for current in (torch.full((R, K), 0.99), torch.full((R, K), 0.01), torch.rand(R, K, generator=g)):
+        policy = AsyncScheduler(sps)
+        for h in history:
+            policy(h)
+        policy(current)
+        caps.append(policy.last_capacity)
+    assert caps[0] == caps[1] == caps[2], f"capacity must be fixed before this step's drafts exist: {caps}"
+
+
+def test_async_admits_the_most_confident_current_candidates():
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.99, 0.2, 0.9], [0.5, 0.5, 0.5]])
+    # a: r0 .9 .81 .729 | r1 .99 .198 .178 | r2 .5 .25 .125 -> top 4: (1,0) (0,0) (0,1) (0,2)
+    lens = top_capacity_lens(conf, torch.full((3,), 3), capacity=4)
+    assert lens.tolist() == [3, 1, 0]
+    assert top_capacity_lens(conf, torch.tensor([1, 3, 3]), capacity=4).tolist() == [1, 1, 2]
+    assert top_capacity_lens(conf, torch.full((3,), 3), capacity=100).tolist() == [3, 3, 3]
+    assert top_capacity_lens(torch.zeros(2, 3), torch.full((2,), 3), capacity=5).tolist() == [0, 0], \
+        "candidates with zero survival probability are never admitted"
+
+
+def test_async_history_is_per_request_id_across_joins_and_leaves():
+    sps = _sps(8 * (K + 1), 0.02)
+    high, low = torch.full((1, K), 0.97), torch.full((1, K), 0.05)
+    policy = AsyncScheduler(sps)
+    policy(torch.cat([high, low]), request_ids=["a", "b"])  # step 0
+    policy(torch.cat([low, low]), request_ids=["b", "c"])  # step 1: a left, c joined
+    # step 2: b and a newcomer d; b's step-0 row was low, d has no step-0 row -> mean of known (low)
+    policy(torch.cat([high, high]), request_ids=["d", "b"])
+    want = int(schedule_prefix(torch.cat([low, low]), sps, early_stop=False).sum())
+    assert policy.last_mode == "async" and policy.last_capacity == want
+    # step 3: nobody present was there at step 1 -> synchronous fallback
+    policy(torch.cat([high]), request_ids=["e"])
+    assert policy.last_mode == "sync"
+
+
+def test_async_reset_forgets_history():
+    sps = _sps(4 * (K + 1), 0.05)
+    policy = AsyncScheduler(sps)
+    conf = torch.full((4, K), 0.8)
+    for _ in range(3):
+        policy(conf)
+    assert policy.last_mode == "async"
+    policy.reset()
+    policy(conf)
+    assert policy.last_mode == "sync" and policy.last_capacity is None
+
+
+def test_async_refuses_duplicate_request_ids_and_lag_zero():
+    policy = AsyncScheduler(_sps(16, 0.05))
+    with pytest.raises(ValueError, match="unique"):
+        policy(torch.full((2, K), 0.5), request_ids=["x", "x"])
+    with pytest.raises(ValueError, match="lag"):
+        AsyncScheduler(_sps(16, 0.05), lag=0)
+
+
+def test_policies_check_shapes():
+    policy = FixedLength()
+    with pytest.raises(ValueError, match=r"\[R, K\]"):
+        policy(torch.rand(K))
+    with pytest.raises(ValueError, match="max_lens"):
+        policy(torch.rand(3, K), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="request_ids"):
+        policy(torch.rand(3, K), request_ids=["a"])
