@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..heads import ConfidenceHead, MarkovHead
-from .layers import DraftLayer, LayerShape, Rope
+from .layers import TargetTiedDrafter
 
 
 @dataclass
@@ -41,37 +41,19 @@ class BlockOutput:
     hidden: torch.Tensor  # [..., K, d]
 
 
-class BlockDrafter(nn.Module):
+class BlockDrafter(TargetTiedDrafter):
     """Parallel block drafter with optional Markov and confidence heads (DSpark / DFlash)."""
 
     def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
-        super().__init__()
-        self.cfg = cfg
-        shape = LayerShape.from_hf_config(hf_config)
+        super().__init__(cfg, hf_config, embed, lm_head)
         d = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
-        self.ctx_norm = nn.RMSNorm(d, eps=shape.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(d, eps=shape.rms_eps)
-        self.rope = Rope(hf_config)
-        # frozen, shared with the target; not part of the drafter's state dict
-        self._frozen = {"embed": embed, "lm_head": lm_head}
         self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank, cfg.markov_head) if cfg.markov_head != "none" else None
         rank = cfg.markov_rank if self.markov is not None else 0
         self.confidence = ConfidenceHead(d, rank) if cfg.confidence_head else None
 
-    # -- shared frozen pieces -----------------------------------------------------------------
-    @property
-    def embed(self) -> nn.Embedding:
-        return self._frozen["embed"]
-
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self._frozen["lm_head"]
-
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features [N, T, m*d] -> H_ctx [N, T, d]."""
-        return self.ctx_norm(self.fc(aux))
+        return self.fuse(aux)
 
     def context_kv(self, h_ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer K/V of the context, [N, Hkv, T, hd] each; cacheable (depends only on the target)."""

@@ -14,40 +14,21 @@ import torch
 from torch import nn
 
 from .block_drafter import DrafterConfig, Proposal, draft_distribution
-from .layers import DraftLayer, LayerShape, Rope
+from .layers import TargetTiedDrafter
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(TargetTiedDrafter):
     def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
-        super().__init__()
-        self.cfg = cfg
-        shape = LayerShape.from_hf_config(hf_config)
+        super().__init__(cfg, hf_config, embed, lm_head)
         d = cfg.hidden_size
-        self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
-        self.ctx_norm = nn.RMSNorm(d, eps=shape.rms_eps)
-        self.emb_norm = nn.RMSNorm(d, eps=shape.rms_eps)
+        self.emb_norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
         self.combine = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList(DraftLayer(shape) for _ in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(d, eps=shape.rms_eps)
-        self.rope = Rope(hf_config)
-        self._frozen = {"embed": embed, "lm_head": lm_head}
         self.markov = None
         self.confidence = None
-
-    @property
-    def embed(self) -> nn.Embedding:
-        return self._frozen["embed"]
-
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self._frozen["lm_head"]
 
     def entry(self, feature: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """feature [N, T, d] (fused target feature or own hidden), next_tokens [N, T] -> [N, T, d]."""
         return self.combine(torch.cat([feature, self.emb_norm(self.embed(next_tokens))], dim=-1))
-
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.ctx_norm(self.fc(aux))
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None,
                    mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

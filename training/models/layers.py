@@ -132,3 +132,32 @@ class DraftLayer(nn.Module):
         N, _, Q, _ = attn.shape
         h = h + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetTiedDrafter(nn.Module):
+    """Base of every drafter: target-feature fusion (fc + RMSNorm) and the target's frozen
+    embedding and LM head, held outside the module tree so they are never saved or trained."""
+
+    def __init__(self, cfg, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        self.cfg = cfg
+        self.shape = LayerShape.from_hf_config(hf_config)
+        d = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
+        self.ctx_norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(self.shape) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
+        self.rope = Rope(hf_config)
+        self._frozen = {"embed": embed, "lm_head": lm_head}
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._frozen["embed"]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._frozen["lm_head"]
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [N, T, m*d] -> fused context [N, T, d]."""
+        return self.ctx_norm(self.fc(aux))
