@@ -14,9 +14,13 @@ too); the next chunk re-emits them once complete, because its ``prefix`` ends at
 same place. The final chunk drops nothing, so a stream that ends mid-character shows
 U+FFFD exactly as a one-shot ``decode`` of the whole output would.
 
-Concatenating the chunks gives the one-shot decode as long as a run of undecodable
-bytes is shorter than the prefix window (``PREFIX_WINDOW`` tokens); decoding through
-the same prefix also cancels tokenizers that drop the first token's leading space.
+Concatenating the chunks gives exactly the one-shot decode when the output is valid
+UTF-8 and the prefix spans at least 7 bytes: the prefix may begin inside a character
+(at most 3 stray continuation bytes) and end inside one (at most 3 bytes held back), and
+a complete character between the two keeps the held-back part separate from the start.
+``PREFIX_WINDOW`` = 8 tokens is at least 8 bytes. Invalid byte runs longer than the window
+may show a different number of U+FFFD than the one-shot decode. Decoding through the
+same prefix also cancels tokenizers that drop the first token's leading space.
 """
 from __future__ import annotations
 

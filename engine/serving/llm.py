@@ -6,13 +6,20 @@ two steps, so a request arriving while others decode joins the running batch. Tr
 and a sender thread turns them into responses, so the step loop never waits on IPC.
 
 A poll thread asks every live request's channel whether the client has cancelled (or
-disconnected) and cancels it in the engine; the request then ends with a CANCELLED error.
+disconnected) and cancels it in the engine; the request then ends with a CANCELLED error,
+or, if it already streamed, with a final response whose finish_reason is "cancelled".
+Behind a Triton ensemble that is not enough: Triton does not mark a running step's
+request as cancelled, only the requests of later steps. So every response carries a
+``request_key``; postprocessing, which does see the cancellation, sends a ``stop``
+request with that key back to this model (``stop()`` here). A ``stop`` request without
+a key stops the live requests with the same Triton request id (as in TensorRT-LLM).
 
 The Triton side is behind ``ResponseChannel``; model.py implements it over the
 python backend's response sender.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -37,7 +44,8 @@ INVALID_ARG, CANCELLED, INTERNAL, UNAVAILABLE = "invalid_arg", "cancelled", "int
 class ResponseChannel(Protocol):
     def send(self, tensors: dict[str, np.ndarray] | None, final: bool,
              error: str | None = None, code: str = INTERNAL) -> None:
-        """Send one response; ``error`` makes it an error response of class ``code``."""
+        """Send one response; ``error`` makes it an error response of class ``code``;
+        no tensors and no error sends only the final flag."""
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request or went away."""
@@ -47,8 +55,9 @@ class ResponseChannel(Protocol):
 class _Live:
     channel: ResponseChannel
     streaming: bool
+    client_id: str = ""
     tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # tokens already streamed
+    sent: int = 0  # responses already sent
     steps: int = 0
     drafts: int = 0
     accepted: int = 0
@@ -60,6 +69,7 @@ def response_tensors(new_ids: list[int], prefix_ids: list[int], final: bool, tot
     accept_len = out.accept_len
     rate = out.num_accepted_tokens / out.num_draft_tokens if out.num_draft_tokens else 0.0
     return {
+        T.REQUEST_KEY: T.bytes_tensor([out.request_id]),
         T.OUTPUT_IDS: T.int_tensor(new_ids),
         T.PREFIX_IDS: T.int_tensor(prefix_ids),
         T.IS_FINAL: T.scalar_tensor(final, np.bool_),
@@ -123,19 +133,23 @@ class LLMService:
 
     # requests --------------------------------------------------------------------------
     def submit(self, channel: ResponseChannel, inputs: Mapping[str, np.ndarray],
-               parameters: str | Mapping[str, Any] | None = None) -> str | None:
-        """Validate and submit one request; errors go to the channel. Returns the engine id."""
+               parameters: str | Mapping[str, Any] | None = None, client_id: str = "") -> str | None:
+        """Validate and submit one request; errors go to the channel. Returns the engine id
+        (which is also the ``request_key`` of its responses)."""
         if self._closing.is_set():
             _safe_send(channel, None, True, "the model is shutting down", UNAVAILABLE)
             return None
         try:
+            if T.scalar(inputs, T.STOP, "bool", default=False):
+                self._stop_request(channel, inputs, client_id)
+                return None
             req = parse_llm_request(inputs, self.engine.max_context, self.default_max_tokens, parameters)
         except (RequestValidationError, ValueError) as e:  # ValueError: malformed parameters JSON
             self._reject(channel, str(e))
             return None
-        rid = f"{self.name}-{next(self._ids)}"
+        rid = f"{self.name}/{next(self._ids)}"
         with self._lock:
-            self._live[rid] = _Live(channel, req.streaming)
+            self._live[rid] = _Live(channel, req.streaming, client_id)
             n = len(self._live)
         try:
             self.engine.submit(rid, req.prompt_ids, req.params, self._outbox.put)
@@ -153,6 +167,29 @@ class LLMService:
         if self.metrics:
             self.metrics.inflight(n)
         return rid
+
+    def stop(self, key: str) -> bool:
+        """Cancel the live request with this engine id; False if it is not (or no longer) live."""
+        with self._lock:
+            live = self._live.get(key)
+        if live is None or live.cancel_requested:
+            return False
+        live.cancel_requested = True
+        self.engine.cancel(key)
+        return True
+
+    def _stop_request(self, channel: ResponseChannel, inputs: Mapping[str, np.ndarray], client_id: str) -> None:
+        key = T.scalar(inputs, T.REQUEST_KEY, "str", default="")
+        if key:
+            self.stop(key)
+        elif client_id:
+            with self._lock:
+                keys = [k for k, live in self._live.items() if live.client_id == client_id]
+            for k in keys:
+                self.stop(k)
+        else:
+            raise RequestValidationError("stop=true needs a request_key input or the request id of the request to stop")
+        _safe_send(channel, None, True)  # just the final flag
 
     def _reject(self, channel: ResponseChannel, message: str) -> None:
         _safe_send(channel, None, True, message, INVALID_ARG)
@@ -200,6 +237,7 @@ class LLMService:
                 prefix = prefix_window(live.tokens, self.window)
                 live.tokens.extend(new)
                 _safe_send(live.channel, response_tensors(new, prefix, False, len(live.tokens), out, None), False)
+                live.sent += 1
             else:
                 live.tokens.extend(new)
             return
@@ -208,11 +246,17 @@ class LLMService:
         reason = out.finish_reason or "stop"
         if self.metrics:
             self.metrics.finished(reason, out.accept_len)
+        # An error response after streamed ones leaves a Triton 2.51 ensemble request in
+        # flight forever (it never completes, and shutdown waits for it). So errors are
+        # sent as errors only before the first response; later, the final response carries
+        # finish_reason "error" / "cancelled" instead (the engine's message is logged).
         if reason == "error":
-            _safe_send(live.channel, None, True, f"engine error: {out.error or 'unknown'}", INTERNAL)
-            return
-        if reason == "cancelled" and live.cancel_requested:
-            _safe_send(live.channel, None, True, "request cancelled by the client", CANCELLED)
+            log.error("%s failed in the engine: %s", out.request_id, out.error)
+            if not live.sent:
+                _safe_send(live.channel, None, True, f"engine error: {out.error or 'unknown'}", INTERNAL)
+                return
+        if reason == "cancelled" and live.cancel_requested and not live.sent:
+            _safe_send(live.channel, None, True, "request cancelled", CANCELLED)
             return
         if live.streaming:
             prefix = prefix_window(live.tokens, self.window)
@@ -251,3 +295,23 @@ def _safe_send(channel: ResponseChannel, tensors, final: bool, error: str | None
         channel.send(tensors, final, error, code)
     except Exception as e:  # noqa: BLE001 - the client may be gone; keep serving the others
         log.warning("could not send a response: %s", e)
+
+
+class CancelRelay:
+    """Postprocessing's half of ensemble cancellation: the first time a cancelled chunk of a
+    request arrives, ask the LLM model that produced it to stop (once per request_key)."""
+
+    def __init__(self, send_stop, remember: int = 4096):
+        self.send_stop = send_stop  # (model_name, request_key) -> None
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._remember = remember
+
+    def cancelled(self, key: str) -> bool:
+        """Relay a cancellation; False if already relayed or the key names no model."""
+        if not key or "/" not in key or key in self._seen:
+            return False
+        self._seen[key] = None
+        while len(self._seen) > self._remember:
+            self._seen.popitem(last=False)
+        self.send_stop(key.rsplit("/", 1)[0], key)
+        return True

@@ -74,6 +74,8 @@ def parse_llm_request(inputs: T.Tensors, max_context: int, default_max_tokens: i
             f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the engine "
             f"context of {max_context} tokens; use max_tokens <= {max_context - len(prompt)}")
 
+    if not T.scalar(inputs, T.EXCLUDE_INPUT_IN_OUTPUT, "bool", default=True):
+        raise RequestValidationError("exclude_input_in_output=false is not supported: outputs never include the prompt")
     seed = T.scalar(inputs, T.RANDOM_SEED, "int")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise RequestValidationError(f"random_seed must be in [0, 2^63), got {seed}")

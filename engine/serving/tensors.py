@@ -30,6 +30,9 @@ RUNTIME_TOP_P = "runtime_top_p"
 RUNTIME_TOP_K = "runtime_top_k"
 RANDOM_SEED = "random_seed"
 STOP_WORDS = "stop_words"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"  # only true: outputs never echo the prompt
+STOP = "stop"  # control request: stop the request named by request_key (or by request id)
+REQUEST_KEY = "request_key"  # the LLM model's id of a request, in every response
 # dspark_llm -> postprocessing
 OUTPUT_IDS = "output_ids"
 PREFIX_IDS = "prefix_ids"

@@ -75,8 +75,7 @@ __host__ __device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t 
                                                           uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < 10; ++round) {  // constant trip count: unrolled by the compiler
     uint32_t hi0, lo0, hi1, lo1;
     mul_hilo(kM0, c0, hi0, lo0);
     mul_hilo(kM1, c2, hi1, lo1);

@@ -143,14 +143,14 @@ def _run_sampled(n: int, l: int, dtype: torch.dtype, temperature: float = 1.0, o
 def test_sampling_follows_the_enumerated_distribution(l: int) -> None:
     res = _run_sampled(40000, l, torch.float32)
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
-    assert _pvalue(counts, exact_outcomes(P_T, P_D, l)) > 1e-3
+    assert _pvalue(counts, exact_outcomes(P_T, P_D, l)) > 1e-4
 
 
 def test_sampling_with_temperature_and_bf16_logits() -> None:
     res = _run_sampled(40000, 2, torch.bfloat16, temperature=0.7)
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
     p_t = torch.softmax(torch.tensor(0.7 * np.log(P_T)).to(torch.bfloat16).double() / 0.7, -1).numpy()
-    assert _pvalue(counts, exact_outcomes(p_t, P_D, 2)) > 1e-3
+    assert _pvalue(counts, exact_outcomes(p_t, P_D, 2)) > 1e-4
 
 
 def test_sampling_matches_the_reference_distribution_at_full_vocab() -> None:
@@ -171,7 +171,7 @@ def test_sampling_matches_the_reference_distribution_at_full_vocab() -> None:
     table = np.array([[c_got[k] for k in keys], [c_ref[k] for k in keys]], dtype=float) + 0.5
     from scipy.stats import chi2_contingency
 
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert chi2_contingency(table).pvalue > 1e-4
     assert set(got.output_tokens[:, 0].tolist()) <= {5, 77, 1000, 151935}
 
 
@@ -183,7 +183,7 @@ def test_missing_draft_probs_means_deterministic_drafts() -> None:
                      seed=torch.arange(n, device=DEV))
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
     one_hot = np.eye(V)[[2, 1]]
-    assert _pvalue(counts, exact_outcomes(P_T, one_hot, K)) > 1e-3
+    assert _pvalue(counts, exact_outcomes(P_T, one_hot, K)) > 1e-4
 
 
 def test_fixed_seed_and_offset_reproduce_and_offsets_change_the_draw() -> None:

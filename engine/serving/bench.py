@@ -1,0 +1,284 @@
+"""Serving benchmark and soak run against the ensembles of a running server (gRPC streaming).
+
+``sweep``: for each system (``ensemble`` = spec, ``ensemble_target_only``) and each
+concurrency, keep that many streaming requests in flight (closed loop) until
+``num_requests`` finished; report TTFT, ITL (time per output token after the first),
+end-to-end latency percentiles, output tokens/s, requests/s and accept_len.
+
+``soak``: ``streams`` workers each send, back to back for ``minutes``, a streamed and a
+non-streamed greedy request for the same prompt and compare the texts; reports failed and
+mismatched requests and the server's memory (RSS of tritonserver + its python stubs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from .client import Result, StreamClient, make_inputs
+
+SYSTEMS = {"spec": "ensemble", "target_only": "ensemble_target_only"}
+
+
+# prompts -------------------------------------------------------------------------------
+def default_prompt_files(root: Path) -> list[Path]:
+    """``eval/*.jsonl`` of ``$DSPARK_DATA``, else the repo's ``data/``, else ``../shared/data``."""
+    candidates = [root / "data" / "eval", root.parent / "shared" / "data" / "eval"]
+    if os.environ.get("DSPARK_DATA"):
+        candidates.insert(0, Path(os.environ["DSPARK_DATA"]) / "eval")
+    for d in candidates:
+        files = sorted(d.glob("*.jsonl"))
+        if files:
+            return files
+    return []
+
+
+def load_prompts(files: Iterable[Path], limit: int | None = None) -> list[str]:
+    """First turn of each ``{"turns": [...]}`` line, interleaved across files."""
+    per_file = []
+    for f in files:
+        prompts = []
+        for line in Path(f).read_text().splitlines():
+            if line.strip():
+                turns = json.loads(line).get("turns") or []
+                if turns and str(turns[0]).strip():
+                    prompts.append(str(turns[0]))
+        per_file.append(prompts)
+    out = []
+    for i in range(max((len(p) for p in per_file), default=0)):  # round-robin across files
+        out += [prompts[i] for prompts in per_file if i < len(prompts)]
+    if not out:
+        raise ValueError("no prompts found (expected JSONL lines with a non-empty 'turns' list)")
+    return out[:limit] if limit else out
+
+
+# statistics ----------------------------------------------------------------------------
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values, dtype=np.float64) * scale
+    return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 90, 99)}
+
+
+def summarize(system: str, concurrency: int, results: list[Result], wall: float) -> dict:
+    done = [r for r in results if r.error is None]
+    tokens = sum(r.tokens for r in done)
+    steps = sum(r.num_steps for r in done)
+    accepted = sum(r.num_accepted_tokens for r in done)
+    return {
+        "system": system,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "failed": len(results) - len(done),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "requests_per_s": round(len(done) / wall, 4) if wall > 0 else None,
+        "ttft_ms": percentiles([r.ttft for r in done if r.ttft is not None]),
+        "itl_ms": percentiles([r.itl for r in done if r.itl is not None]),
+        "e2e_ms": percentiles([r.e2e for r in done if r.e2e is not None]),
+        "accept_len": round((accepted + steps) / steps, 4) if steps else None,
+    }
+
+
+# load generation -------------------------------------------------------------------------
+def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+              max_tokens: int, temperature: float | None = None, timeout: float = 1800.0) -> tuple[list[Result], float]:
+    """Closed loop: ``concurrency`` requests in flight until ``num_requests`` finished."""
+    client = StreamClient(url, model)
+    slots = threading.Semaphore(concurrency)
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def release(res: Result):
+        res.done.wait(timeout)
+        slots.release()
+
+    t0 = time.perf_counter()
+    try:
+        for i in range(num_requests):
+            slots.acquire()
+            res = client.submit(make_inputs(prompts[i % len(prompts)], max_tokens, True, temperature=temperature))
+            with lock:
+                results.append(res)
+            threading.Thread(target=release, args=(res,), daemon=True).start()
+        for res in results:
+            if not res.done.wait(timeout):
+                res.error = res.error or "timeout"
+        wall = max((r.t_done or time.perf_counter()) for r in results) - t0
+    finally:
+        client.close(cancel=True)
+    return results, wall
+
+
+def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
+          num_requests: int | None = None, temperature: float | None = None, log=print) -> list[dict]:
+    rows = []
+    for system in systems:
+        model = SYSTEMS[system]
+        run_level(url, model, prompts[:1], 1, 1, min(max_tokens, 8), temperature)  # warm-up
+        for c in concurrencies:
+            n = num_requests or max(2 * c, 4)
+            results, wall = run_level(url, model, prompts, c, n, max_tokens, temperature)
+            row = summarize(system, c, results, wall)
+            rows.append(row)
+            log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
+                f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
+                f"accept_len {row['accept_len']}  failed {row['failed']}")
+    return rows
+
+
+# reports -----------------------------------------------------------------------------------
+def device_label() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {cpu} ({os.cpu_count()} cores)"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Serving benchmark", "", f"Command: `{report['command']}`", "", f"Device: {report['device']}", "",
+             "| system | concurrency | output tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+             "e2e p50/p90/p99 ms | accept_len | failed |",
+             "|---|---:|---:|---:|---|---|---|---:|---:|"]
+
+    def trio(d):
+        return " / ".join("-" if d[k] is None else f"{d[k]:.0f}" if d[k] >= 10 else f"{d[k]:.1f}"
+                          for k in ("p50", "p90", "p99"))
+
+    for r in report["results"]:
+        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tokens_per_s']} | {r['requests_per_s']} | "
+                     f"{trio(r['ttft_ms'])} | {trio(r['itl_ms'])} | {trio(r['e2e_ms'])} | {r['accept_len']} | "
+                     f"{r.get('failed', 0)} |")
+    speedups = speedup_rows(report["results"])
+    if speedups:
+        lines += ["", "Speed-up of spec over target_only (output tokens/s):", "",
+                  "| concurrency | speed-up |", "|---:|---:|"]
+        lines += [f"| {c} | {s:.2f}x |" for c, s in speedups]
+    return "\n".join(lines) + "\n"
+
+
+def speedup_rows(rows: list[dict]) -> list[tuple[int, float]]:
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["system"] == "target_only"}
+    return [(r["concurrency"], r["output_tokens_per_s"] / base[r["concurrency"]])
+            for r in rows if r["system"] == "spec" and base.get(r["concurrency"])]
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for system in sorted({r["system"] for r in report["results"]}):
+        rows = sorted((r for r in report["results"] if r["system"] == system), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=system)
+        axes[1].plot(xs, [r["ttft_ms"]["p50"] for r in rows], "o-", label=system)
+        axes[2].plot(xs, [r["itl_ms"]["p50"] for r in rows], "o-", label=system)
+    levels = sorted({r["concurrency"] for r in report["results"]})
+    for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "ITL p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(report["device"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".json"), out.with_suffix(".md"), out.with_suffix(".png")]
+    paths[0].write_text(json.dumps(report, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    plot(report, paths[2])
+    return paths
+
+
+# soak ----------------------------------------------------------------------------------------
+def server_rss_mb(pid: int | None) -> float | None:
+    """RSS of ``pid`` and all its descendants (tritonserver + python stubs), in MiB."""
+    if not pid:
+        return None
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            if p == pid:
+                return None
+        todo += children.get(p, [])
+    return round(total / 1024, 1)
+
+
+def soak(url: str, prompts: list[str], minutes: float, streams: int, max_tokens: int,
+         server_pid: int | None = None, model: str = "ensemble", log=print) -> dict:
+    rss_start = server_rss_mb(server_pid)
+    deadline = time.time() + minutes * 60
+    counts = {"requests": 0, "failed": 0, "mismatched": 0}
+    examples: list[dict] = []
+    lock = threading.Lock()
+    client = StreamClient(url, model)
+
+    def worker(seed: int):
+        rng = random.Random(seed)
+        while time.time() < deadline:
+            prompt = rng.choice(prompts)
+            a = client.submit(make_inputs(prompt, max_tokens, True))
+            b = client.submit(make_inputs(prompt, max_tokens, False))
+            ok_a, ok_b = a.done.wait(1800), b.done.wait(1800)
+            with lock:
+                counts["requests"] += 2
+                failed = [r for r, ok in ((a, ok_a), (b, ok_b)) if not ok or r.error is not None]
+                counts["failed"] += len(failed)
+                if not failed and a.text != b.text:
+                    counts["mismatched"] += 1
+                    if len(examples) < 5:
+                        examples.append({"prompt": prompt, "streamed": a.text, "non_streamed": b.text})
+                if failed and len(examples) < 5:
+                    examples.append({"prompt": prompt, "error": failed[0].error or "timeout"})
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    last_log = time.time()
+    while any(t.is_alive() for t in threads):
+        time.sleep(0.5)
+        if time.time() - last_log < 30.0:
+            continue
+        last_log = time.time()
+        with lock:
+            log(f"soak: {counts['requests']} requests, {counts['failed']} failed, {counts['mismatched']} mismatched, "
+                f"server RSS {server_rss_mb(server_pid)} MiB")
+    client.close()
+    return {"streams": streams, "minutes": minutes, "requests": counts["requests"], "failed": counts["failed"],
+            "mismatched": counts["mismatched"], "rss_start_mb": rss_start, "rss_end_mb": server_rss_mb(server_pid),
+            "max_tokens": max_tokens, "model": model, "examples": examples}

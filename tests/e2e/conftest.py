@@ -1,0 +1,103 @@
+"""A real tritonserver on free ports for the e2e tests, started by scripts/start_server.sh.
+
+Environment:
+- DSPARK_E2E_URL=host:port (+ DSPARK_E2E_METRICS=host:port): use a running server instead.
+- DSPARK_E2E_ENGINE=real (default) | hf: the engine behind the models. ``real`` is
+  ``dspark.engine.runtime.load_engine`` on DSPARK_E2E_ENGINE_DIR, or else on an engine
+  directory with an untrained drafter built once (tests/e2e/engine_dir.py); ``hf`` is the
+  stand-in in tests/e2e/hf_engine.py.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Server:
+    url: str
+    metrics_url: str
+    engine: str
+    log: Path | None = None
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        return urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=10).read().decode()
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of a metric's samples whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    engine = os.environ.get("DSPARK_E2E_ENGINE", "real")
+    if os.environ.get("DSPARK_E2E_URL"):
+        yield Server(os.environ["DSPARK_E2E_URL"], os.environ.get("DSPARK_E2E_METRICS", "localhost:8002"), engine)
+        return
+    http, grpc, metrics = _free_ports(3)
+    state = tmp_path_factory.mktemp("triton")
+    env = dict(os.environ, DSPARK_NUM_THREADS=os.environ.get("DSPARK_NUM_THREADS", "1"), PYTHON=sys.executable)
+    args = [str(ROOT / "scripts" / "start_server.sh"), "--http-port", str(http), "--grpc-port", str(grpc),
+            "--metrics-port", str(metrics), "--state-dir", str(state), "--timeout", "420"]
+    if engine == "hf":
+        env["DSPARK_ENGINE_FACTORY"] = f"{HERE / 'hf_engine.py'}:load_engine"
+        env["DSPARK_TOKENIZER_FACTORY"] = f"{HERE / 'hf_engine.py'}:load_tokenizer"
+    else:
+        engine_dir = os.environ.get("DSPARK_E2E_ENGINE_DIR")
+        if not engine_dir:
+            from .engine_dir import build_untrained_engine_dir
+
+            engine_dir = str(build_untrained_engine_dir())
+        args += ["--engine-dir", engine_dir]
+    started = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.fail(f"start_server.sh failed:\n{started.stdout[-3000:]}\n{started.stderr[-5000:]}")
+    log = state / "server.log"
+    try:
+        yield Server(f"localhost:{grpc}", f"localhost:{metrics}", engine, log)
+    finally:
+        subprocess.run([str(ROOT / "scripts" / "stop_server.sh"), "--state-dir", str(state)],
+                       cwd=ROOT, capture_output=True, text=True)
+    # every request must have completed: a stuck one (e.g. an ensemble request whose LLM
+    # step ended with an error mid-stream) shows up as in-flight at shutdown
+    stuck = [line for line in log.read_text().splitlines() if "in-flight inferences\"" in line and " has " in line]
+    if stuck:
+        pytest.fail("requests still in flight at shutdown:\n" + "\n".join(stuck[:3]))
+
+
+@pytest.fixture
+def client(server):
+    from dspark.engine.serving.client import StreamClient
+
+    c = StreamClient(server.url)
+    yield c
+    c.close()

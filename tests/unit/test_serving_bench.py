@@ -1,0 +1,55 @@
+"""Benchmark bookkeeping: prompts, per-level summary, reports (no server)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dspark.engine.serving import bench
+from dspark.engine.serving.client import Result
+
+
+def result(t0, first, done, tokens, steps=0, accepted=0, error=None):
+    r = Result("r", t0, chunks=["x"], chunk_times=[t0 + first, t0 + done], tokens=tokens,
+               num_steps=steps, num_accepted_tokens=accepted, error=error)
+    r.t_done = t0 + done
+    return r
+
+
+def test_prompts_are_first_turns_interleaved_across_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"turns": ["a1", "a1b"]}\n{"turns": ["a2"]}\n{"turns": ["a3"]}\n')
+    (tmp_path / "b.jsonl").write_text('{"turns": ["b1"]}\n\n{"turns": []}\n')
+    assert bench.load_prompts(sorted(tmp_path.glob("*.jsonl"))) == ["a1", "b1", "a2", "a3"]
+    assert bench.load_prompts([tmp_path / "a.jsonl"], limit=2) == ["a1", "a2"]
+    with pytest.raises(ValueError):
+        bench.load_prompts([tmp_path / "b.jsonl"][:0])
+
+
+def test_summary_reports_latency_percentiles_throughput_and_accept_len():
+    rs = [result(0.0, 0.1, 1.1, 11, steps=5, accepted=6), result(0.0, 0.2, 2.2, 21, steps=10, accepted=11),
+          result(0.0, 0.1, 0.5, 0, error="boom")]
+    row = bench.summarize("spec", 2, rs, wall=2.2)
+    assert row["failed"] == 1 and row["output_tokens"] == 32
+    assert row["output_tokens_per_s"] == pytest.approx(32 / 2.2, rel=1e-3)
+    assert row["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert row["itl_ms"]["p50"] == pytest.approx(100.0)  # (1.1-0.1)/10 and (2.2-0.2)/20
+    assert row["accept_len"] == pytest.approx((17 + 15) / 15, rel=1e-3)
+    assert set(row) >= {"system", "concurrency", "output_tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms",
+                        "e2e_ms", "accept_len"}
+
+
+def test_report_files_and_speedup_table(tmp_path):
+    rows = [bench.summarize(s, c, [result(0.0, 0.1, 1.1, n)], wall=1.0)
+            for s, n in (("spec", 20), ("target_only", 10)) for c in (1, 4)]
+    report = {"command": "x", "device": "cpu", "results": rows}
+    paths = bench.write_report(report, tmp_path / "serving")
+    assert all(p.is_file() for p in paths)
+    assert json.loads(paths[0].read_text())["results"][0]["system"] == "spec"
+    md = paths[1].read_text()
+    assert "| 1 | 2.00x |" in md and "| spec | 4 |" in md
+
+
+def test_server_rss_covers_a_process_tree():
+    assert bench.server_rss_mb(os.getpid()) > 0
+    assert bench.server_rss_mb(None) is None

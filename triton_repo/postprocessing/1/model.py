@@ -1,0 +1,62 @@
+"""Triton binding of postprocessing: output_ids (+ prefix_ids) -> text_output; stats pass through.
+
+Stateless, so streamed chunks of many requests can interleave: each chunk carries the
+few already-streamed tokens it needs (see dspark.engine.serving.detokenizer).
+A chunk of a cancelled ensemble request stops its LLM request (a BLS ``stop`` request
+with the chunk's request_key): Triton does not cancel a running ensemble step itself.
+Parameters: target, tokenizer_factory, skip_special_tokens.
+"""
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from dspark.engine.api import RequestValidationError
+from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.llm import CancelRelay
+from dspark.engine.serving.text import Postprocessor
+
+
+def _send_stop(model_name, key):
+    """BLS request {stop: true, request_key} to the LLM model that produced ``key``."""
+    request = pb_utils.InferenceRequest(
+        model_name=model_name,
+        inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_)),
+                pb_utils.Tensor("request_key", np.array([[key.encode()]], dtype=np.object_))],
+        requested_output_names=[])
+    for response in request.exec(decoupled=True):
+        if response.has_error():
+            pb_utils.Logger.log_warn(f"stopping {key} failed: {response.error().message()}")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = config_parameters(config)
+        self.input_names = [i["name"] for i in config["input"]]
+        self.post = Postprocessor(
+            load_tokenizer(params),
+            skip_special_tokens=as_bool(parameter(params, "skip_special_tokens", "true", env=False)))
+        self.relay = CancelRelay(_send_stop)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            inputs = {}
+            for n in self.input_names:
+                tensor = pb_utils.get_input_tensor_by_name(request, n)
+                if tensor is not None:
+                    inputs[n] = tensor.as_numpy()
+            if request.is_cancelled():  # the ensemble request was cancelled: stop the LLM request
+                key = inputs.get("request_key")
+                self.relay.cancelled(key.reshape(-1)[0].decode() if key is not None else "")
+                # answered normally: an error here would leave the ensemble request in flight
+            try:
+                out = self.post(inputs)
+            except RequestValidationError as e:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(n, v) for n, v in out.items()]))
+        return responses

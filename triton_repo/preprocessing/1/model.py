@@ -1,0 +1,41 @@
+"""Triton binding of preprocessing: text_input -> input_ids (chat template), input_lengths, end_id.
+
+Parameters: target, tokenizer_factory (``DSPARK_TARGET`` / ``DSPARK_TOKENIZER_FACTORY``
+override), apply_chat_template, system_prompt. Logic: dspark.engine.serving.text.
+"""
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from dspark.engine.api import RequestValidationError
+from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.text import Preprocessor
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = config_parameters(config)
+        self.input_names = [i["name"] for i in config["input"]]
+        self.pre = Preprocessor(
+            load_tokenizer(params),
+            apply_chat_template=as_bool(parameter(params, "apply_chat_template", "true", env=False)),
+            system_prompt=parameter(params, "system_prompt", "", env=False))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            inputs = {}
+            for n in self.input_names:
+                tensor = pb_utils.get_input_tensor_by_name(request, n)
+                if tensor is not None:
+                    inputs[n] = tensor.as_numpy()
+            try:
+                out = self.pre(inputs)
+            except RequestValidationError as e:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(n, v) for n, v in out.items()]))
+        return responses
