@@ -5,6 +5,10 @@
     dspark eval         -c quickstart [--checkpoint DIR]
     dspark quickstart   [key=value ...]                    prepare-data + train + eval
     dspark bench-train  [key=value ...]                    DSpark vs DFlash vs Eagle3
+    dspark profile      -c quickstart                      SPS table (steps/s vs verify tokens)
+    dspark calibrate    -c quickstart                      STS temperatures on held-out data
+    dspark bench        -c quickstart --sps S --sts T      decode benchmark, side by side
+    dspark build        --drafter DIR --output DIR         engine dir: ONNX (+plugin node), HF, TRT-LLM, TRT
     dspark profiles                                        bundled target/algo/run profiles
 
 Every subcommand accepts ``--dry-run`` to print the resolved configuration and exit.
@@ -101,6 +105,87 @@ def cmd_bench_train(args) -> None:
     run_comparison(cfg, Path(args.output_dir), " ".join(sys.argv))
 
 
+def cmd_profile(args) -> None:
+    from dspark.engine.bench import profile_target_sps
+    from dspark.engine.sps import plot_sps
+    from dspark.training.target import load_target
+
+    cfg = _load(args)
+    target = load_target(cfg.target)
+    table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
+                               repeats=args.repeats)
+    out = Path(args.output) if args.output else cfg.run_dir / "sps.json"
+    table.save(out)
+    plot_sps(table, out.with_suffix(".png"))
+    for b, s in zip(table.tokens, table.steps_per_s):
+        print(f"B={b:4d}  {s:8.2f} steps/s")
+    print(f"SPS table: {out} (plot {out.with_suffix('.png')})")
+
+
+def cmd_calibrate(args) -> None:
+    from dspark.engine.calibrate import calibrate, held_out_prompts
+    from dspark.training.checkpoint import load_checkpoint
+    from dspark.training.target import load_target
+
+    cfg = _load(args)
+    target = load_target(cfg.target)
+    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
+    drafter, _, _ = load_checkpoint(ckpt, target)
+    out = Path(args.output) if args.output else cfg.run_dir / "sts.json"
+    summary = calibrate(target, drafter, held_out_prompts(cfg, target, args.prompts), cfg.eval.max_new_tokens,
+                        cfg.eval.seed, out)
+    print(f"{'pos':>3} {'ECE before':>10} {'ECE after':>9} {'AUC':>6} {'Brier after':>11}")
+    for p in summary["positions"]:
+        print(f"{p['position'] + 1:>3} {p['ece_before']:>10.4f} {p['ece_after']:>9.4f} {p['auc_after']:>6.3f} {p['brier_after']:>11.4f}")
+    print(f"STS temperatures: {out}")
+
+
+def cmd_bench(args) -> None:
+    from dspark.engine.bench import decode_benchmark, write_decode_results
+    from dspark.engine.sps import load_sps_table
+    from dspark.engine.sts import StsCalibration
+    from dspark.training.checkpoint import load_checkpoint
+    from dspark.training.data import load_eval_prompts
+    from dspark.training.target import load_target
+
+    cfg = _load(args)
+    target = load_target(cfg.target)
+    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
+    drafter, _, _ = load_checkpoint(ckpt, target)
+    sps = load_sps_table(args.sps) if args.sps else None
+    sts = StsCalibration.load(args.sts).temperatures if args.sts else None
+    prompts = [target.chat_prompt_ids(p) for task in ("math", "code", "chat")
+               for p in load_eval_prompts(task, args.prompts_per_task, cfg.data.data_root)]
+    results = decode_benchmark(target, drafter, prompts, [int(b) for b in args.batches.split(",")], args.max_tokens,
+                               sps=sps, sts=sts)
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
+    print((Path(args.output_dir) / f"{args.name}.md").read_text())
+
+
+def cmd_build(args) -> None:
+    from dspark.engine.export.builder import BuildError, build_engine
+    from dspark.engine.export.manifest import EngineDirError
+    from dspark.engine.export.trt_build import TensorRTUnavailable, TrtBuildError
+    from dspark.engine.sps import SpsTableError
+    from dspark.engine.sts import StsCalibrationError
+
+    try:
+        m = build_engine(drafter_dir=args.drafter, output=args.output, target_profile=args.target,
+                         target_source=args.target_source, dtype=args.dtype, max_batch=args.max_batch,
+                         max_context=args.max_context, block_size=args.block_size, what=args.what, sps=args.sps,
+                         sts=args.sts, plugin_lib=args.plugin_lib, force=args.force)
+    except TensorRTUnavailable as exc:
+        print(f"dspark build: error: trt not built: {exc} (the other targets were built into {args.output})",
+              file=sys.stderr)
+        sys.exit(3)
+    except (BuildError, EngineDirError, TrtBuildError, SpsTableError, StsCalibrationError) as exc:
+        print(f"dspark build: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"engine: {args.output} (built {', '.join(m['built'])}; {len(m['files'])} files hashed in engine.json)")
+
+
 def cmd_profiles(_args) -> None:
     from dspark.training.config import list_profiles
 
@@ -128,6 +213,45 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--output-dir", default="docs/benchmarks")
     p.set_defaults(fn=cmd_bench_train)
+    p = sub.add_parser("profile", help="profile the target's steps/s against verify-step tokens (SPS table)")
+    _common(p)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
+    p.set_defaults(fn=cmd_profile)
+    p = sub.add_parser("calibrate", help="fit STS temperatures on held-out data")
+    _common(p)
+    p.add_argument("--checkpoint")
+    p.add_argument("--prompts", type=int, default=12, help="held-out prompts to decode")
+    p.add_argument("--output", help="STS JSON path (default: <run>/sts.json)")
+    p.set_defaults(fn=cmd_calibrate)
+    p = sub.add_parser("bench", help="decode benchmark: ours vs target-only vs transformers generate()")
+    _common(p)
+    p.add_argument("--checkpoint")
+    p.add_argument("--sps", help="SPS table for the scheduled system (dspark profile)")
+    p.add_argument("--sts", help="STS temperatures (dspark calibrate)")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts-per-task", type=int, default=4)
+    p.add_argument("--output-dir", default="docs/benchmarks")
+    p.add_argument("--name", default="decode")
+    p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("build", help="build an engine directory from a drafter checkpoint (scripts/build_engine.sh)")
+    p.add_argument("--target", default="smollm2-135m", help="target profile name or YAML path")
+    p.add_argument("--target-source", help="override the profile's weights: HF directory or .gguf file")
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory (model.safetensors + drafter.json)")
+    p.add_argument("--output", required=True, help="engine directory to write")
+    p.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 (HF weights, TensorRT precision)")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--block-size", type=int, help="must equal the drafter's block size (checked)")
+    p.add_argument("--what", default="onnx,hf,trtllm", help="comma list of onnx,hf,trtllm,trt")
+    p.add_argument("--sps", help="SPS table JSON to copy in (dspark profile)")
+    p.add_argument("--sts", help="STS calibration JSON to copy in (dspark calibrate)")
+    p.add_argument("--plugin-lib", help="libdspark_trt_plugin.so for --what ...,trt")
+    p.add_argument("--force", action="store_true", help="overwrite an existing engine directory")
+    p.set_defaults(fn=cmd_build)
     p = sub.add_parser("profiles", help="list bundled profiles")
     p.set_defaults(fn=cmd_profiles)
     return parser

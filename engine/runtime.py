@@ -221,7 +221,8 @@ class SpecEngine:
     def _prefill(self, reqs: list[_Request]) -> None:
         chunk = self.cfg.prefill_chunk
         toks = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
-        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None)
+        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None,
+                                  last_logits_only=True)
         appends = []
         done = []
         for i, (r, t) in enumerate(zip(reqs, toks)):
@@ -242,7 +243,7 @@ class SpecEngine:
             self.draft_runner.append(appends)
         if not done:
             return
-        logits = torch.stack([out.logits[i, n - 1] for i, _, n in done])
+        logits = torch.stack([out.logits[i, 0] for i, _, _ in done])
         first = self._sample_first([r for _, r, _ in done], logits)
         appends = []
         for (i, r, n), tok in zip(done, first):

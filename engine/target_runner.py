@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -76,11 +77,13 @@ class TargetRunner:
 
     # -- forward ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, slots: list[int], tokens: list[list[int]], need_features: bool = True) -> RaggedOutput:
+    def forward(self, slots: list[int], tokens: list[list[int]], need_features: bool = True,
+                last_logits_only: bool = False) -> RaggedOutput:
         """Run ``slots`` on their new tokens (ragged); K/V are written, lengths not advanced.
 
         When ``slots`` is ``0..R-1`` (the common case) attention reads views of the cache;
-        otherwise the rows are gathered.
+        otherwise the rows are gathered. ``last_logits_only`` (prefill) applies the LM head to
+        each row's last new token only: ``logits`` is then [R, 1, V].
         """
         R = len(tokens)
         slot_t = torch.tensor(slots, dtype=torch.long)
@@ -112,14 +115,15 @@ class TargetRunner:
             if need_features and li in self.layer_ids:
                 captured.append((li, h))
         last = dec.norm(h)
-        logits = self.target.lm_head(last)
+        if last_logits_only:
+            logits = self.target.lm_head(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
+        else:
+            logits = self.target.lm_head(last)
         aux = torch.cat([c for _, c in sorted(captured, key=lambda x: self.layer_ids.index(x[0]))], dim=-1) \
             if need_features else last.new_zeros(R, Q, 0)
         return RaggedOutput(logits=logits, aux=aux, last=last)
 
     def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         B, Q, _ = x.shape
@@ -138,10 +142,7 @@ class TargetRunner:
             keys, vals = kc[:R, :, :total], vc[:R, :, :total]
         else:
             keys, vals = kc[self._slot_t, :, :total], vc[self._slot_t, :, :total]
-        rep = self.n_heads // self.n_kv
-        if rep > 1:
-            keys = keys.repeat_interleave(rep, dim=1)
-            vals = vals.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling,
+                                           enable_gqa=self.n_heads != self.n_kv)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))

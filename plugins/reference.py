@@ -67,12 +67,12 @@ def process_logits(
     temperature = temperature.float().reshape(temperature.shape + (1,) * (len(lead) - temperature.dim()))
     greedy = (temperature <= 0).expand(lead)
     scaled = logits / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(-1)
-    if top_k is not None:
+    if top_k is not None and bool((top_k > 0).any()):
         k = top_k.long().reshape(top_k.shape + (1,) * (len(lead) - top_k.dim())).expand(lead)
         k = torch.where(k > 0, k.clamp(max=logits.shape[-1]), torch.full_like(k, logits.shape[-1]))
         kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p is not None:
+    if top_p is not None and bool((top_p < 1.0).any()):
         p = top_p.float().reshape(top_p.shape + (1,) * (len(lead) - top_p.dim())).expand(lead)
         # stable: tied logits keep index order, so the result is the same on every device
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)

@@ -125,10 +125,10 @@ class DraftLayer(nn.Module):
             k = torch.cat([ctx_k, k], dim=2)
             v = torch.cat([ctx_v, v], dim=2)
         rep = self.s.num_heads // self.s.num_kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        if rep > 1 and torch.onnx.is_in_onnx_export():  # exporters lack SDPA's enable_gqa
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
+                                              enable_gqa=k.shape[1] != q.shape[1])
         N, _, Q, _ = attn.shape
         h = h + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
         return h + self.mlp(self.post_attention_layernorm(h))

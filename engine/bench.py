@@ -1,0 +1,208 @@
+"""Decode benchmark (``dspark bench``), SPS profiling (``dspark profile``), STS calibration (``dspark calibrate``).
+
+The benchmark runs every system on the same prompts in the same process, side by side:
+``target_only`` (our engine, no drafter), ``spec_fixed`` (full blocks), ``spec_scheduled``
+(confidence scheduling with the profiled SPS table), and transformers' own ``generate()``
+(plain, and with prompt lookup decoding) as peers. Requests arrive staggered (one new
+request per engine step until the batch is full) so the engine runs in flight.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .api import SamplingParams
+from .runtime import EngineConfig, SpecEngine
+from .target_runner import TargetRunner
+
+
+@dataclass
+class SystemResult:
+    system: str
+    batch: int
+    tokens_per_s: float
+    accept_len: float | None
+    verified_per_accepted: float | None  # target tokens verified per emitted token
+    p50_token_ms: float
+    p99_token_ms: float
+    output_tokens: int
+    seconds: float
+
+
+def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
+    """Per emitted token: time since the request's previous emission, spread over the tokens emitted."""
+    out = []
+    for times in arrivals.values():
+        for a, b in zip(times, times[1:]):
+            out.append((b - a) * 1000)
+    return out
+
+
+def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, batch: int, name: str) -> SystemResult:
+    """In-flight run: one new request per step until ``batch`` are running, refilled as they finish."""
+    emitted: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    pending = list(enumerate(prompts))
+    active = 0
+
+    def cb(o):
+        nonlocal active
+        now = time.perf_counter()
+        n = len(o.new_token_ids)
+        if n:
+            # n tokens arrived together: n latency samples of (gap / n)
+            last = emitted.setdefault(o.request_id, [])
+            counts[o.request_id] = counts.get(o.request_id, 0) + n
+            if last:
+                gap = now - last[-1]
+                last.extend([last[-1] + gap * (i + 1) / n for i in range(n)])
+            else:
+                last.append(now)
+        if o.finished:
+            active -= 1
+    stats0 = dict(engine.stats)
+    t0 = time.perf_counter()
+    while pending or engine.has_work():
+        if pending and active < batch:
+            i, p = pending.pop(0)
+            engine.submit(f"{name}-{i}", p, params, cb)
+            active += 1
+        engine.step()
+    secs = time.perf_counter() - t0
+    lat = _token_latencies(emitted)
+    total = sum(counts.values())
+    rounds = engine.stats["rounds"] - stats0["rounds"]
+    acc = engine.stats["accepted_tokens"] - stats0["accepted_tokens"]
+    drafted = engine.stats["draft_tokens"] - stats0["draft_tokens"]
+    row_rounds = engine.stats["batch_size_sum"] - stats0["batch_size_sum"]
+    spec = engine.K > 0
+    return SystemResult(
+        system=name, batch=batch, tokens_per_s=total / secs,
+        accept_len=(acc + row_rounds) / row_rounds if spec and row_rounds else None,
+        verified_per_accepted=(drafted + row_rounds) / max(acc + row_rounds, 1) if spec else None,
+        p50_token_ms=float(np.percentile(lat, 50)) if lat else float("nan"),
+        p99_token_ms=float(np.percentile(lat, 99)) if lat else float("nan"),
+        output_tokens=total, seconds=secs)
+
+
+@torch.no_grad()
+def run_hf_generate(target, prompts: list[list[int]], max_tokens: int, batch: int, prompt_lookup: bool) -> SystemResult:
+    """transformers generate() on the same target, static batches of ``batch`` (greedy, left padded)."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    total, lat = 0, []
+    t0 = time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        chunk = prompts[s:s + batch]
+        w = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk])
+        attn = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk])
+        kw = {"prompt_lookup_num_tokens": 7} if prompt_lookup else {}
+        t1 = time.perf_counter()
+        out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                     do_sample=False, pad_token_id=pad, **kw)
+        dt = time.perf_counter() - t1
+        n = out.shape[1] - w
+        total += n * len(chunk)
+        lat += [dt / n * 1000] * (n * len(chunk))
+    secs = time.perf_counter() - t0
+    return SystemResult(system="hf_prompt_lookup" if prompt_lookup else "hf_generate", batch=batch,
+                        tokens_per_s=total / secs, accept_len=None, verified_per_accepted=None,
+                        p50_token_ms=float(np.percentile(lat, 50)), p99_token_ms=float(np.percentile(lat, 99)),
+                        output_tokens=total, seconds=secs)
+
+
+def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[int], max_tokens: int, sps=None,
+                     sts=None, systems: tuple[str, ...] = ("target_only", "spec_fixed", "spec_scheduled",
+                                                         "hf_generate", "hf_prompt_lookup"),
+                     min_prompts: int = 4) -> list[SystemResult]:
+    """Each batch size decodes ``max(2 * batch, min_prompts)`` prompts (cycled) with every system."""
+    results = []
+    # min_tokens is not a thing in our engine: no stop tokens, so every request runs max_tokens
+    params = SamplingParams(max_tokens=max_tokens)
+    for batch in tqdm(batches, desc="decode bench", unit="batch size"):
+        ps = [prompts[i % len(prompts)] for i in range(max(2 * batch, min_prompts))]
+        for system in systems:
+            if system == "target_only":
+                eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=batch))
+            elif system == "spec_fixed":
+                eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=batch))
+            elif system == "spec_scheduled":
+                if sps is None:
+                    continue
+                eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=batch),
+                                 sps=sps, sts_temperatures=sts)
+            elif system in ("hf_generate", "hf_prompt_lookup"):
+                if system == "hf_prompt_lookup" and batch > 1:
+                    continue  # transformers' prompt lookup supports batch size 1 only
+                results.append(run_hf_generate(target, ps, max_tokens, batch, system == "hf_prompt_lookup"))
+                continue
+            else:
+                raise ValueError(f"unknown system {system!r}")
+            results.append(run_engine(eng, ps, params, batch, system))
+    return results
+
+
+def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int = 3,
+                       token_counts: list[int] | None = None, allow_flat: bool = False):
+    """Steps/s of one verify forward against its number of tokens B (rows of 1+K tokens over ``context``)."""
+    from .sps import profile_sps
+
+    rows_max = max(1, max_tokens // (block_size + 1)) + 1
+    runner = TargetRunner(target, rows_max, initial_capacity=context + block_size + 2, max_context=context + block_size + 2)
+    counts = token_counts or sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512} & set(range(1, max_tokens + 1)))
+
+    def step(B: int) -> None:
+        rows = max(1, -(-B // (block_size + 1)))
+        sizes = [B // rows + (1 if i < B % rows else 0) for i in range(rows)]
+        for r in range(rows):
+            runner.set_length(r, context)
+        runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
+    return profile_sps(step, counts, warmup=1, repeats=repeats, device=str(runner.device),
+                       engine=f"dspark TargetRunner {target.profile.name} ctx={context}", allow_flat=allow_flat)
+
+
+def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, command: str, device: str) -> dict:
+    import dataclasses
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"command": command, "device": device, "results": [dataclasses.asdict(r) for r in results]}
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    base = {(r.batch): r.tokens_per_s for r in results if r.system == "target_only"}
+    lines = [f"# Decode benchmark ({device})", "", f"Command: `{command}`", "",
+             "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | p50 ms/token | p99 ms/token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = r.tokens_per_s / base[r.batch] if r.batch in base else float("nan")
+        al = "-" if r.accept_len is None else f"{r.accept_len:.2f}"
+        vp = "-" if r.verified_per_accepted is None else f"{r.verified_per_accepted:.2f}"
+        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | "
+                     f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} |")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    _plot(results, out_dir / f"{name}.png")
+    return report
+
+
+def _plot(results: list[SystemResult], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r.system for r in results):
+        rows = sorted((r.batch, r.tokens_per_s) for r in results if r.system == system)
+        ax.plot([b for b, _ in rows], [t for _, t in rows], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (concurrent requests)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

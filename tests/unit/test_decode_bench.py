@@ -1,0 +1,28 @@
+"""The decode benchmark and SPS profiler run end to end on a tiny target and report sane fields."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dspark.engine.bench import decode_benchmark, profile_target_sps, write_decode_results
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import make_tiny_target, tiny_run_config
+
+
+def test_decode_benchmark_reports_every_system_side_by_side(tmp_path):
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    sps = profile_target_sps(target, 4, context=16, token_counts=[1, 4, 8, 16], repeats=1, allow_flat=True)
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+    results = decode_benchmark(target, drafter, prompts, [1, 2], max_tokens=6, sps=sps)
+    systems = {(r.system, r.batch) for r in results}
+    assert {("target_only", 1), ("spec_fixed", 2), ("spec_scheduled", 1), ("hf_generate", 2), ("hf_prompt_lookup", 1)} <= systems
+    for r in results:
+        assert r.output_tokens == 6 * max(2 * r.batch, 4), f"{r.system}@{r.batch} emitted {r.output_tokens}"
+        if r.system.startswith("spec"):
+            assert 1.0 <= r.accept_len <= 5.0
+    report = write_decode_results(results, tmp_path, "decode", "test", "cpu")
+    assert json.loads((tmp_path / "decode.json").read_text()) == report
+    assert (tmp_path / "decode.md").is_file() and (tmp_path / "decode.png").is_file()
