@@ -428,6 +428,9 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         meta = json.loads(meta_path.read_text())
         profile = TargetProfile(**meta["target_profile"])
     target = load_target(profile, device=device)
+    if engine_dir is not None and meta.get("format") == "dspark-engine":  # built by `dspark build`
+        from .export.manifest import validate_engine_dir
+        validate_engine_dir(engine_dir, target, files="runtime")
     if engine_dir is not None:
         root = Path(engine_dir)
         if mode == "spec":

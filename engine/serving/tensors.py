@@ -124,3 +124,29 @@ def scalar_tensor(value, dtype) -> np.ndarray:
 def bytes_tensor(texts: list[str]) -> np.ndarray:
     """A ``[1, n]`` BYTES output."""
     return np.asarray([[t.encode("utf-8") for t in texts]], dtype=np.object_)
+
+
+def answer_requests(pb_utils, requests, input_names, handle, before=None) -> list:
+    """Shared execute() of the stateless models: one response per request.
+
+    ``handle(inputs) -> {name: ndarray}``; a RequestValidationError becomes an INVALID_ARG
+    error response for that request only. ``before(request, inputs)`` runs first (e.g. to
+    relay a cancellation). ``pb_utils`` is passed in so this module stays Triton-free.
+    """
+    responses = []
+    for request in requests:
+        inputs = {}
+        for name in input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        if before is not None:
+            before(request, inputs)
+        try:
+            out = handle(inputs)
+        except RequestValidationError as e:
+            responses.append(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
+            continue
+        responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in out.items()]))
+    return responses

@@ -128,7 +128,7 @@ class DraftLayer(nn.Module):
         if rep > 1 and torch.onnx.is_in_onnx_export():  # exporters lack SDPA's enable_gqa
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
-                                              enable_gqa=k.shape[1] != q.shape[1])
+                                              enable_gqa=bool(rep > 1 and not torch.onnx.is_in_onnx_export()))
         N, _, Q, _ = attn.shape
         h = h + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -11,9 +11,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.engine.api import RequestValidationError
 from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
 from dspark.engine.serving.llm import CancelRelay
+from dspark.engine.serving.tensors import answer_requests
 from dspark.engine.serving.text import Postprocessor
 
 
@@ -40,23 +40,10 @@ class TritonPythonModel:
         self.relay = CancelRelay(_send_stop)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            inputs = {}
-            for n in self.input_names:
-                tensor = pb_utils.get_input_tensor_by_name(request, n)
-                if tensor is not None:
-                    inputs[n] = tensor.as_numpy()
-            if request.is_cancelled():  # the ensemble request was cancelled: stop the LLM request
-                key = inputs.get("request_key")
-                self.relay.cancelled(key.reshape(-1)[0].decode() if key is not None else "")
-                # answered normally: an error here would leave the ensemble request in flight
-            try:
-                out = self.post(inputs)
-            except RequestValidationError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-                continue
-            responses.append(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(n, v) for n, v in out.items()]))
-        return responses
+        return answer_requests(pb_utils, requests, self.input_names, self.post, before=self._relay_cancel)
+
+    def _relay_cancel(self, request, inputs):
+        if request.is_cancelled():  # the ensemble request was cancelled: stop the LLM request
+            key = inputs.get("request_key")
+            self.relay.cancelled(key.reshape(-1)[0].decode() if key is not None else "")
+            # answered normally: an error here would leave the ensemble request in flight

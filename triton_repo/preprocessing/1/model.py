@@ -7,8 +7,8 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from dspark.engine.api import RequestValidationError
 from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.tensors import answer_requests
 from dspark.engine.serving.text import Preprocessor
 
 
@@ -23,19 +23,4 @@ class TritonPythonModel:
             system_prompt=parameter(params, "system_prompt", "", env=False))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            inputs = {}
-            for n in self.input_names:
-                tensor = pb_utils.get_input_tensor_by_name(request, n)
-                if tensor is not None:
-                    inputs[n] = tensor.as_numpy()
-            try:
-                out = self.pre(inputs)
-            except RequestValidationError as e:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)))
-                continue
-            responses.append(pb_utils.InferenceResponse(
-                output_tensors=[pb_utils.Tensor(n, v) for n, v in out.items()]))
-        return responses
+        return answer_requests(pb_utils, requests, self.input_names, self.pre)

@@ -1,0 +1,135 @@
+"""Import a DeepSpec-layout DSpark checkpoint (``config.json`` + ``*.safetensors``) as our drafter.
+
+The inverse of :mod:`.hf_export`: tensor names are mapped back (:data:`REVERSE_MAP`), the
+draft config keys become a ``DrafterConfig``, and the result is checked against the loaded
+target (hidden size, vocabulary, target layer ids, and that the file's frozen embedding /
+LM head have the target's shapes). Export then import reproduces our drafter bit for bit.
+
+Refused, each with a one-line ``ImportError_``: a Markov head other than ``vanilla``
+(``gated``/``rnn`` are parameterised differently from ours), a confidence head that does
+not read the Markov embedding while a Markov head exists, layer id -1 (embedding output),
+a checkpoint for another target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from dspark.training.models import DrafterConfig, build_drafter
+
+__all__ = ["DeepSpecImportError", "REVERSE_MAP", "from_deepspec_state", "config_from_deepspec", "import_deepspec"]
+
+REVERSE_MAP: tuple[tuple[str, str], ...] = (
+    (r"^fc\.weight$", "fc.weight"),
+    (r"^hidden_norm\.weight$", "ctx_norm.weight"),
+    (r"^norm\.weight$", "norm.weight"),
+    (r"^layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$", r"layers.\1.\2.weight"),
+    (r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"layers.\1.\2.weight"),
+    (r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r"layers.\1.mlp.\2.weight"),
+    (r"^markov_head\.markov_w1\.weight$", "markov.w1.weight"),
+    (r"^markov_head\.markov_w2\.weight$", "markov.w2.weight"),
+    (r"^confidence_head\.proj\.(weight|bias)$", r"confidence.proj.\1"),
+)
+FROZEN = ("embed_tokens.weight", "lm_head.weight")
+
+
+class DeepSpecImportError(RuntimeError):
+    pass
+
+
+def from_deepspec_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """-> (our drafter state dict, the frozen tensors found: embed_tokens / lm_head)."""
+    import re
+
+    ours, frozen = {}, {}
+    for name, t in state.items():
+        if name in FROZEN:
+            frozen[name] = t
+            continue
+        for pat, rep in REVERSE_MAP:
+            if re.match(pat, name):
+                ours[re.sub(pat, rep, name)] = t
+                break
+        else:
+            raise DeepSpecImportError(f"tensor {name!r} is not part of a DSpark drafter this kit can load")
+    return ours, frozen
+
+
+def config_from_deepspec(conf: dict, where: str = "config.json") -> DrafterConfig:
+    try:
+        rank = int(conf.get("markov_rank", 0))
+        kind = str(conf.get("markov_head_type", "vanilla")).lower() if rank > 0 else "none"
+        conf_head = bool(conf.get("enable_confidence_head", False))
+        layer_ids = [int(i) for i in conf["target_layer_ids"]]
+        cfg = DrafterConfig(
+            algo="dspark" if (rank > 0 or conf_head) else "dflash",
+            hidden_size=int(conf["hidden_size"]), vocab_size=int(conf["vocab_size"]),
+            num_aux_layers=len(layer_ids), num_layers=int(conf["num_hidden_layers"]),
+            block_size=int(conf["block_size"]), mask_token_id=int(conf["mask_token_id"]),
+            markov_head=kind, markov_rank=rank, confidence_head=conf_head)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DeepSpecImportError(f"{where}: missing or bad DSpark key ({exc})") from None
+    if kind not in ("vanilla", "none"):
+        raise DeepSpecImportError(f"{where}: markov_head_type={kind!r} is not supported (only vanilla)")
+    if conf_head and rank > 0 and not conf.get("confidence_head_with_markov", False):
+        raise DeepSpecImportError(f"{where}: confidence_head_with_markov=false with a Markov head is not supported")
+    if -1 in layer_ids:
+        raise DeepSpecImportError(f"{where}: target_layer_ids contains -1 (embedding output), not supported")
+    kit = (conf.get("dspark_kit") or {}).get("drafter") or {}
+    if kind == "none" and kit.get("markov_head") == "none" and isinstance(kit.get("markov_rank"), int):
+        # the reference encodes "no Markov head" as rank 0; our config keeps the profile's rank
+        cfg = dataclasses.replace(cfg, markov_rank=kit["markov_rank"])
+    return cfg
+
+
+def import_deepspec(path: str | Path, target):
+    """Load a reference-layout checkpoint directory for ``target`` -> (drafter, DrafterConfig, info)."""
+    path = Path(path)
+    conf_path = path / "config.json"
+    if not conf_path.is_file():
+        raise DeepSpecImportError(f"{path}: no config.json")
+    try:
+        conf = json.loads(conf_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DeepSpecImportError(f"{conf_path}: not valid JSON ({exc.msg})") from None
+    cfg = config_from_deepspec(conf, str(conf_path))
+    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+        raise DeepSpecImportError(f"{conf_path}: drafter for hidden_size={cfg.hidden_size}, vocab={cfg.vocab_size}; "
+                                  f"the target has {target.hidden_size}, {target.vocab_size}")
+    ids = [int(i) for i in conf["target_layer_ids"]]
+    if ids != list(target.profile.layer_ids):
+        raise DeepSpecImportError(f"{conf_path}: target_layer_ids={ids}, the target profile uses "
+                                  f"{list(target.profile.layer_ids)}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DeepSpecImportError(f"{path}: no *.safetensors weights")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise DeepSpecImportError(f"{f}: unreadable or truncated safetensors file ({exc})") from None
+    ours, frozen = from_deepspec_state(state)
+    model = build_drafter(cfg, target)
+    expected = model.state_dict()
+    missing, extra = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
+    if missing or extra:
+        raise DeepSpecImportError(f"{path}: tensors do not match a {cfg.algo} drafter for this target "
+                                  f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    for k, v in ours.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise DeepSpecImportError(f"{path}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+    info = {"source_dtype": str(next(iter(ours.values())).dtype).replace("torch.", "")}
+    for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.lm_head.weight)):
+        if name in frozen:
+            if tuple(frozen[name].shape) != tuple(mine.shape):
+                raise DeepSpecImportError(f"{path}: {name} has shape {tuple(frozen[name].shape)}, the target's is "
+                                          f"{tuple(mine.shape)}: checkpoint for another target")
+            info[f"{name.split('.')[0]}_max_abs_diff_vs_target"] = float((frozen[name].float() - mine.detach().float()).abs().max())
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
+    return model.eval(), cfg, info
