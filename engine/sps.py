@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .jsonfile import read_json_file
+
 __all__ = [
     "SPS_FORMAT",
     "SPS_FORMAT_VERSION",
@@ -245,14 +247,7 @@ class SpsTable:
     def load(cls, path: str | Path, allow_flat: bool = False, flat_rtol: float = DEFAULT_FLAT_RTOL) -> "SpsTable":
         """Read and check a table; raises SpsTableError / FlatCostTableError naming the file."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise SpsTableError(f"{path}: cannot read SPS table ({e.strerror or e})") from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpsTableError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+        data = read_json_file(path, "SPS table", SpsTableError)
         return cls.from_dict(data, source=str(path), allow_flat=allow_flat, flat_rtol=flat_rtol)
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from dspark.engine.calibration_metrics import brier, ece, roc_auc
+from dspark.engine.jsonfile import read_json_file
 
 __all__ = [
     "STS_FORMAT",
@@ -306,13 +307,6 @@ class StsCalibration:
     def load(cls, path: str | Path) -> "StsCalibration":
         """Read a calibration file; reads ``sts_temperatures`` or ``temperatures``."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise StsCalibrationError(f"{path}: cannot read STS calibration ({e.strerror or e})") from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise StsCalibrationError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+        data = read_json_file(path, "STS calibration", StsCalibrationError)
         return cls.from_dict(data, source=str(path))
 
