@@ -114,11 +114,27 @@ def cmd_profile(args) -> None:
     target = load_target(cfg.target)
     table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
                                repeats=args.repeats)
+    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
+    if ckpt.exists():  # the drafter's own cost lets the engine skip drafting where it cannot pay
+        from dspark.engine.bench import profile_draft_cost
+        from dspark.training.checkpoint import load_checkpoint
+
+        drafter, _, _ = load_checkpoint(ckpt, target)
+        rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r * (cfg.target.block_size + 1) <= args.max_tokens] or [1]
+        table.draft_requests = rows
+        table.draft_seconds = profile_draft_cost(drafter, rows, context=args.context, repeats=args.repeats)
+        table.engine += f" + drafter {ckpt}"
+    elif args.checkpoint:
+        raise SystemExit(f"dspark profile: no drafter checkpoint at {ckpt}")
+    else:
+        print(f"no drafter checkpoint at {ckpt}: the table has no drafter cost (adaptive drafting stays off)")
     out = Path(args.output) if args.output else cfg.run_dir / "sps.json"
     table.save(out)
     plot_sps(table, out.with_suffix(".png"))
     for b, s in zip(table.tokens, table.steps_per_s):
         print(f"B={b:4d}  {s:8.2f} steps/s")
+    for r, s in zip(table.draft_requests or [], table.draft_seconds or []):
+        print(f"drafter R={r:3d}  {1000 * s:8.2f} ms/pass")
     print(f"SPS table: {out} (plot {out.with_suffix('.png')})")
 
 
@@ -219,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
+    p.add_argument("--checkpoint", help="drafter whose pass is timed too (default: <run>/checkpoints/last if present)")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("calibrate", help="fit STS temperatures on held-out data")
     _common(p)

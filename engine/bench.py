@@ -168,6 +168,34 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
                        engine=f"dspark TargetRunner {target.profile.name} ctx={context}", allow_flat=allow_flat)
 
 
+def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int = 3) -> list[float]:
+    """Median seconds of one drafter pass (``propose``) over R rows of ``context`` positions, per R."""
+    import statistics
+
+    from .draft_runner import make_draft_runner
+
+    p = next(drafter.parameters())
+    runner = make_draft_runner(drafter, max(requests))
+    aux_dim = drafter.fc.in_features  # target features: hidden size x number of tapped layers
+    gen = torch.Generator().manual_seed(0)
+    seconds = []
+    for R in tqdm(requests, desc="profiling drafter", unit="batch size"):
+        for slot in range(R):
+            runner.reset(slot)
+            aux = torch.randn(context, aux_dim, generator=gen)
+            runner.append([(slot, aux, torch.full((context,), 7))])
+        anchors = torch.full((R,), 7, device=p.device)
+        temps = torch.zeros(R, device=p.device)
+        runner.propose(list(range(R)), anchors, temps, gen)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.propose(list(range(R)), anchors, temps, gen)
+            times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+    return seconds
+
+
 def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, command: str, device: str) -> dict:
     import dataclasses
 

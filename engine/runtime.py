@@ -5,7 +5,8 @@ One ``step()``:
 2. prefill: requests still reading their prompt run one chunk (``prefill_chunk`` tokens)
    so a long prompt never stalls the running batch for more than one chunk; a request
    whose prompt is done samples its first token from the target;
-3. decode: the drafter proposes a block for every decoding request, the verify-length
+3. decode: unless the drafting gate (``draft_gate.py``) predicts that a plain step is
+   faster on this hardware, the drafter proposes a block for every decoding request, the verify-length
    policy picks how many drafts each request verifies (``l_r``), the target runs the
    ragged batch ``[anchor, d_1..d_l]`` once, and ``plugins.verify`` accepts a prefix and
    emits a recovered or bonus token (lossless for greedy and sampled requests);
@@ -29,8 +30,10 @@ import torch
 from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
+from .draft_gate import DraftGate
 from .draft_runner import make_draft_runner
 from .scheduler import make_scheduler
+from .sps import SpsTable
 from .target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class EngineConfig:
     max_context: int = 2048
     prefill_chunk: int = 256
     seed: int = 0
+    adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
     record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
 
 
@@ -108,6 +112,7 @@ class SpecEngine:
         if sched == "threshold":
             kwargs = {"threshold": self.cfg.threshold}
         self.policy = make_scheduler(sched, **kwargs)
+        self.gate = self._make_gate(sps, sched)
         self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
         self.verify = _verify_fn()
         self.device = self.runner.device
@@ -121,7 +126,16 @@ class SpecEngine:
         self.rounds: list[RoundRecord] = []
         self.stats = {"steps": 0, "rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
                       "accepted_per_position": [0] * max(self.K, 1), "verify_len_hist": [0] * (self.K + 1),
-                      "batch_size_sum": 0}
+                      "batch_size_sum": 0, "skipped_draft_steps": 0}
+
+    def _make_gate(self, sps, sched: str) -> DraftGate | None:
+        """The cost-aware drafting gate, with the hardware-aware schedulers and a drafter-cost table."""
+        if not (self.cfg.adaptive_drafting and self.drafter is not None and sched in ("algorithm1", "async")):
+            return None
+        if not (isinstance(sps, SpsTable) and sps.has_draft_cost):
+            log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
+            return None
+        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1))
 
     # -- public API -------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback) -> None:
@@ -278,7 +292,8 @@ class SpecEngine:
         slots = [r.slot for r in reqs]
         anchors = torch.tensor([r.anchor for r in reqs], device=self.device)
         temps = torch.tensor([r.params.temperature for r in reqs])
-        if self.draft_runner is not None and self.K > 0:
+        drafting = self.draft_runner is not None and self.K > 0 and (self.gate is None or self.gate.should_draft(R))
+        if drafting:
             prop = self.draft_runner.propose(slots, anchors, temps.to(self.device), self._gen)
             conf_logits = prop.conf_logits
             if conf_logits is not None:
@@ -294,6 +309,8 @@ class SpecEngine:
             lens = torch.zeros(R, dtype=torch.long)
             drafts = torch.zeros(R, 0, dtype=torch.long)
             conf_logits = None
+            if self.draft_runner is not None:
+                self.stats["skipped_draft_steps"] += 1
         L = int(lens.max()) if R else 0
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
         out = self.runner.forward(slots, toks, need_features=self.drafter is not None)
@@ -310,6 +327,8 @@ class SpecEngine:
             top_p=torch.tensor([r.params.top_p for r in reqs], device=target_logits.device),
             seed=torch.tensor([r.seed for r in reqs]), offset=torch.tensor([r.steps for r in reqs]))
         n_acc = res.num_accepted.cpu().tolist()
+        if drafting and self.gate is not None:
+            self.gate.observe(R, int(lens.sum()), sum(n_acc))
         emitted = res.output_tokens.cpu()
         appends = []
         self.stats["rounds"] += 1

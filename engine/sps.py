@@ -15,8 +15,15 @@ File format (JSON object, UTF-8), format version 1::
       "device": "NVIDIA H200",           # where it was measured
       "engine": "smollm2-135m bf16 graphs", # identity of the profiled engine (free text)
       "created_at": "2026-12-01T10:00:00+00:00",  # ISO 8601
-      "meta": {"warmup": 3, "repeats": 10}  # optional: how it was profiled
+      "meta": {"warmup": 3, "repeats": 10}, # optional: how it was profiled
+      "draft_requests": [1, 4, 16, 64],  # optional: drafter pass timed at these batch sizes R
+      "draft_seconds": [0.002, 0.002, 0.003, 0.006]  # optional: seconds per drafter pass at each R
     }
+
+The two optional ``draft_*`` keys (both or neither) give the cost of the drafter's own pass,
+which runs before the verify step whenever the engine drafts. The scheduler does not need it
+(once drafts exist their cost is sunk); ``dspark.engine.draft_gate`` does, to decide whether
+drafting pays at all on this hardware. ``draft_time(R)`` interpolates it like step time.
 
 Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
 
@@ -71,7 +78,7 @@ SPS_FORMAT_VERSION = 1
 DEFAULT_FLAT_RTOL = 0.02  # smoothed SPS must fall by at least 2% over the profiled range
 
 _KEYS_REQUIRED = ("format", "format_version", "tokens", "steps_per_s", "device", "engine", "created_at")
-_KEYS_OPTIONAL = ("meta",)
+_KEYS_OPTIONAL = ("meta", "draft_requests", "draft_seconds")
 
 
 class SpsTableError(ValueError):
@@ -112,6 +119,8 @@ class SpsTable:
     created_at: str = field(default_factory=_now_iso)  # ISO 8601
     format_version: int = SPS_FORMAT_VERSION
     meta: dict[str, Any] = field(default_factory=dict)  # how it was profiled (warmup, repeats, ...)
+    draft_requests: list[int] | None = None  # batch sizes R at which the drafter pass was timed
+    draft_seconds: list[float] | None = None  # seconds per drafter pass at each of them
     source: str = field(default="<in-memory table>", repr=False, compare=False)  # for messages only
 
     def __post_init__(self) -> None:
@@ -145,6 +154,44 @@ class SpsTable:
                 self._fail(f"'{name}' must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.meta, dict):
             self._fail(f"'meta' must be an object, got {type(self.meta).__name__}")
+        self._check_draft_cost()
+
+    def _check_draft_cost(self) -> None:
+        if self.draft_requests is None and self.draft_seconds is None:
+            return
+        if self.draft_requests is None or self.draft_seconds is None:
+            self._fail("'draft_requests' and 'draft_seconds' go together; one of them is missing")
+        self.draft_requests, self.draft_seconds = list(self.draft_requests), list(self.draft_seconds)
+        if not self.draft_requests or len(self.draft_requests) != len(self.draft_seconds):
+            self._fail(f"'draft_requests' ({len(self.draft_requests)}) and 'draft_seconds' "
+                       f"({len(self.draft_seconds)}) must be non-empty and of equal length")
+        for r in self.draft_requests:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                self._fail(f"'draft_requests' must be integers >= 1, got {r!r}")
+        if any(b <= a for a, b in zip(self.draft_requests, self.draft_requests[1:])):
+            self._fail(f"'draft_requests' must be strictly increasing, got {self.draft_requests}")
+        for s in self.draft_seconds:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+                self._fail(f"'draft_seconds' must be finite numbers >= 0, got {s!r}")
+        self.draft_seconds = [float(s) for s in self.draft_seconds]
+
+    @property
+    def has_draft_cost(self) -> bool:
+        return self.draft_requests is not None
+
+    def draft_time(self, requests: int) -> float:
+        """Seconds of one drafter pass over ``requests`` rows: linear between profiled sizes,
+        constant below the first, proportional to rows beyond the last (pessimistic)."""
+        if not self.has_draft_cost:
+            raise SpsTableError(f"{self.source}: no drafter cost profiled (draft_requests/draft_seconds)")
+        xs, ts = self.draft_requests, self.draft_seconds
+        if requests <= xs[0]:
+            return ts[0]
+        if requests >= xs[-1]:
+            return ts[-1] * requests / xs[-1]
+        i = next(k for k, x in enumerate(xs) if x >= requests)
+        w = (requests - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ts[i - 1] + w * (ts[i] - ts[i - 1])
 
     def smoothed_steps_per_s(self) -> list[float]:
         """SPS at the profiled counts after the isotonic fit of step time (non-increasing)."""
@@ -209,6 +256,8 @@ class SpsTable:
             "engine": self.engine,
             "created_at": self.created_at,
             "meta": dict(self.meta),
+            **({"draft_requests": list(self.draft_requests), "draft_seconds": list(self.draft_seconds)}
+               if self.has_draft_cost else {}),
         }
 
     @classmethod
@@ -231,7 +280,9 @@ class SpsTable:
                 raise SpsTableError(f"{source}: '{key}' must be a list, got {type(data[key]).__name__}")
         table = cls(tokens=data["tokens"], steps_per_s=data["steps_per_s"], device=data["device"],
                     engine=data["engine"], created_at=data["created_at"],
-                    format_version=data["format_version"], meta=data.get("meta", {}), source=source)
+                    format_version=data["format_version"], meta=data.get("meta", {}),
+                    draft_requests=data.get("draft_requests"), draft_seconds=data.get("draft_seconds"),
+                    source=source)
         if not allow_flat:
             table.check_profiled(flat_rtol)
         return table

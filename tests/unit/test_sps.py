@@ -53,6 +53,10 @@ def test_save_then_load_round_trips_every_field(tmp_path):
     (lambda d: d.update(tokens=[4], steps_per_s=[10.0]), "at least 2"),
     (lambda d: d.update(tokens="1,8"), "must be a list"),
     (lambda d: d.update(device=3), "'device'"),
+    (lambda d: d.update(draft_requests=[1, 4]), "go together"),
+    (lambda d: d.update(draft_requests=[4, 1], draft_seconds=[0.1, 0.2]), "strictly increasing"),
+    (lambda d: d.update(draft_requests=[1, 4], draft_seconds=[0.1]), "equal length"),
+    (lambda d: d.update(draft_requests=[1], draft_seconds=[-0.1]), ">= 0"),
 ])
 def test_loader_refuses_corrupt_tables_with_a_one_line_reason_naming_the_file(tmp_path, mutate, needle):
     data = _table().to_dict()
@@ -91,6 +95,18 @@ def test_loader_refuses_flat_or_rising_tables_unless_allowed(tmp_path, sps):
 def test_noisy_but_falling_table_is_accepted(tmp_path):
     path = _table(steps_per_s=[100.0, 101.0, 60.0, 61.0]).save(tmp_path / "noisy.json")
     SpsTable.load(path)
+
+
+def test_drafter_cost_round_trips_and_interpolates_like_step_time(tmp_path):
+    table = _table(draft_requests=[1, 4, 16], draft_seconds=[0.01, 0.02, 0.08])
+    loaded = SpsTable.load(table.save(tmp_path / "sps.json"))
+    assert loaded == table and loaded.has_draft_cost
+    assert loaded.draft_time(1) == pytest.approx(0.01) and loaded.draft_time(0) == pytest.approx(0.01)
+    assert loaded.draft_time(10) == pytest.approx(0.05)  # halfway between 4 and 16
+    assert loaded.draft_time(32) == pytest.approx(0.16)  # proportional to rows past the table
+    assert not _table().has_draft_cost and "draft_requests" not in _table().to_dict()
+    with pytest.raises(SpsTableError, match="no drafter cost"):
+        _table().draft_time(1)
 
 
 def test_as_tensor_hits_profiled_points_and_interpolates_step_time_linearly():

@@ -1,0 +1,98 @@
+"""The cost-aware drafting gate: its throughput model, probing, and that the engine stays lossless with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.api import SamplingParams
+from dspark.engine.draft_gate import DraftGate
+from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.sps import SpsTable
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import make_tiny_target, tiny_run_config
+
+
+def _table(draft_seconds: float, verify_slope: float = 0.0) -> SpsTable:
+    """Step time 1 s at 1 token, growing by ``verify_slope`` s per extra token; flat drafter cost."""
+    tokens = [1, 8, 64]
+    return SpsTable(tokens=tokens, steps_per_s=[1.0 / (1.0 + verify_slope * (t - 1)) for t in tokens],
+                    device="cpu", engine="toy", draft_requests=[1, 64], draft_seconds=[draft_seconds] * 2)
+
+
+def test_gain_is_the_ratio_of_output_rates_of_a_drafted_and_a_plain_step():
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64)
+    assert gate.expected_gain(1) == float("inf")  # no history yet: draft to learn
+    gate.observe(requests=2, verified=8, accepted=4)  # per request: 4 verified, 2 accepted
+    # drafted: 1 + 2 tokens in 0.5 + (1 + 0.1 * 4) s; plain: 1 token in 1 s
+    assert gate.expected_gain(1) == pytest.approx(3 * 1.0 / (0.5 + 1.4))
+
+
+def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=8)
+    decisions = []
+    for _ in range(40):
+        d = gate.should_draft(1)
+        decisions.append(d)
+        if d:
+            gate.observe(1, verified=1, accepted=0)
+    drafted = [i for i, d in enumerate(decisions) if d]
+    assert drafted[0] == 0  # the first step drafts to measure acceptance
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert gaps[:3] == [2, 4, 8] and all(g == 8 for g in gaps[3:])  # probe interval doubles to the cap
+    assert gate.skipped_steps == 40 - len(drafted)
+
+
+def test_a_drafter_that_pays_is_always_run_and_one_good_probe_resets_the_interval():
+    gate = DraftGate(_table(draft_seconds=0.1), max_tokens=64, min_probe=2, max_probe=8)
+    gate.observe(1, verified=4, accepted=3)
+    assert all(gate.should_draft(1) for _ in range(10))
+    for _ in range(20):  # acceptance collapses: the average falls until skipping starts
+        if gate.should_draft(1):
+            gate.observe(1, verified=4, accepted=0)
+    assert gate.skipped_steps > 0 and gate.probe > 2
+    while not gate.should_draft(1):
+        pass
+    gate.observe(1, verified=4, accepted=40)  # the probe finds a predictable stretch
+    assert gate.should_draft(1) and gate.probe == 2
+
+
+def test_gate_needs_a_table_with_drafter_cost():
+    table = SpsTable(tokens=[1, 8], steps_per_s=[2.0, 1.0], device="cpu", engine="toy")
+    with pytest.raises(ValueError, match="no drafter cost"):
+        DraftGate(table, max_tokens=8)
+
+
+def _run(engine, jobs):
+    outs: dict[str, list[int]] = {}
+    for rid, prompt, params in jobs:
+        engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
+    engine.run_until_done()
+    return outs
+
+
+@pytest.mark.parametrize("draft_seconds, verify_slope", [(0.0, 0.0), (10.0, 0.01)])  # free / ruinous drafting
+def test_engine_with_the_gate_stays_token_identical_to_target_only(draft_seconds, verify_slope):
+    target = make_tiny_target()
+    torch.manual_seed(5)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    jobs = [(f"r{i}", list(range(7 + i, 20 + 2 * i)), SamplingParams(max_tokens=12 + i)) for i in range(4)]
+    base = _run(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=4),
+                        sps=_table(draft_seconds, verify_slope))
+    assert engine.gate is not None
+    assert _run(engine, jobs) == base
+    if draft_seconds > 0:
+        assert engine.stats["skipped_draft_steps"] > 0
+    else:
+        assert engine.stats["skipped_draft_steps"] == 0
+
+
+def test_gate_is_off_for_fixed_blocks_and_for_tables_without_drafter_cost():
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    assert SpecEngine(target, drafter, EngineConfig(scheduler="fixed"), sps=_table(10.0)).gate is None
+    plain = SpsTable(tokens=[1, 8, 64], steps_per_s=[3.0, 2.0, 1.0], device="cpu", engine="toy")
+    assert SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1"), sps=plain).gate is None
+    off = EngineConfig(scheduler="algorithm1", adaptive_drafting=False)
+    assert SpecEngine(target, drafter, off, sps=_table(10.0)).gate is None
