@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from dspark.engine.calibration_metrics import brier, ece, roc_auc
+from dspark.training.metrics import brier, ece, roc_auc
 from dspark.engine.jsonfile import read_json_file
 
 __all__ = [

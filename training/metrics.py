@@ -1,16 +1,27 @@
-"""Acceptance and calibration metrics.
+"""Acceptance and calibration metrics (numpy only; torch tensors and lists are accepted too).
 
 - ``accept_len``: mean over verify rounds of (accepted drafts + 1): the bonus or
   recovered token counts, so a drafter that never hits scores 1.0.
-- ``num_accepted``: accepted drafts only.
 - ``accept_rate@k`` (k = 1..K): P(accepted >= k | proposed >= k), the chance that the
   k-th draft survives given it was verified and all before it survived.
-- Confidence calibration of the cumulative product ``a_k = prod_{i<=k} c_i`` against the
-  accepted-prefix indicator ``1[accepted >= k]``: ECE (equal-width bins), AUC, Brier.
+- Calibration of binary predictions, used for the confidence head (the cumulative product
+  ``a_k = prod_{i<=k} c_i`` against the accepted-prefix indicator ``1[accepted >= k]``),
+  by evaluation and by STS calibration (``dspark.engine.sts``); all in float64:
+  - ``ece``: expected calibration error with ``n_bins`` equal-width bins on [0, 1],
+    ``sum_b (n_b / n) * |mean(p in b) - mean(y in b)|``; p = 1 falls in the last bin;
+    0.0 for empty input.
+  - ``brier``: ``mean((p - y)^2)``.
+  - ``roc_auc``: probability that a random positive scores above a random negative (ties
+    count one half), the normalised Mann-Whitney U; NaN if only one class is present.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+__all__ = ["accept_len", "accept_rate_at_k", "confidence_calibration", "ece", "brier", "roc_auc",
+           "reliability_bins", "bin_index"]
 
 
 def accept_len(num_accepted: list[int] | np.ndarray) -> float:
@@ -29,38 +40,76 @@ def accept_rate_at_k(num_accepted: list[int] | np.ndarray, num_proposed: list[in
     return out
 
 
-def ece(prob: np.ndarray, label: np.ndarray, n_bins: int = 15) -> float:
-    """Expected calibration error with equal-width bins on [0, 1]."""
-    prob = np.asarray(prob, dtype=np.float64).ravel()
-    label = np.asarray(label, dtype=np.float64).ravel()
-    if prob.size == 0:
-        return float("nan")
-    bins = np.minimum((prob * n_bins).astype(int), n_bins - 1)
-    total = 0.0
-    for b in range(n_bins):
-        sel = bins == b
-        if sel.any():
-            total += sel.sum() * abs(prob[sel].mean() - label[sel].mean())
-    return float(total / prob.size)
+def _as_1d(x: Any, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor, without importing torch here
+        x = x.detach().cpu().double().numpy()
+    arr = np.asarray(x, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains non-finite values")
+    return arr
 
 
-def auc(prob: np.ndarray, label: np.ndarray) -> float:
-    """ROC AUC via the rank statistic (ties averaged); nan when one class is absent."""
-    from scipy.stats import rankdata
+def _check_pair(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    p = _as_1d(probs, "probs")
+    y = _as_1d(labels, "labels")
+    if p.shape != y.shape:
+        raise ValueError(f"probs and labels must have the same length, got {p.size} and {y.size}")
+    return p, y
 
-    prob = np.asarray(prob, dtype=np.float64).ravel()
-    label = np.asarray(label).ravel().astype(bool)
-    n_pos, n_neg = label.sum(), (~label).sum()
+
+def bin_index(probs: np.ndarray, n_bins: int) -> np.ndarray:
+    """Equal-width bin of each probability in [0, 1] -> int array in [0, n_bins)."""
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    return np.clip(np.floor(np.asarray(probs) * n_bins), 0, n_bins - 1).astype(np.int64)
+
+
+def reliability_bins(probs: Any, labels: Any, n_bins: int = 15) -> dict[str, np.ndarray]:
+    """Per-bin ``count``, ``mean_prob`` and ``accuracy`` (NaN for empty bins), and ``edges``."""
+    p, y = _check_pair(probs, labels)
+    b = bin_index(p, n_bins)
+    count = np.bincount(b, minlength=n_bins).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_prob = np.bincount(b, weights=p, minlength=n_bins) / count
+        accuracy = np.bincount(b, weights=y, minlength=n_bins) / count
+    return {"count": count, "mean_prob": mean_prob, "accuracy": accuracy,
+            "edges": np.linspace(0.0, 1.0, n_bins + 1)}
+
+
+def ece(probs: Any, labels: Any, n_bins: int = 15) -> float:
+    """Expected calibration error (equal-width bins); 0.0 for empty input."""
+    p, y = _check_pair(probs, labels)
+    if p.size == 0:
+        return 0.0
+    b = bin_index(p, n_bins)
+    gap = np.bincount(b, weights=p, minlength=n_bins) - np.bincount(b, weights=y, minlength=n_bins)
+    return float(np.abs(gap).sum() / p.size)
+
+
+def brier(probs: Any, labels: Any) -> float:
+    """Mean squared error between probabilities and 0/1 labels; NaN for empty input."""
+    p, y = _check_pair(probs, labels)
+    return float(np.mean((p - y) ** 2)) if p.size else float("nan")
+
+
+def roc_auc(scores: Any, labels: Any) -> float:
+    """ROC-AUC via average ranks (ties count one half); NaN when a class is missing."""
+    s, y = _check_pair(scores, labels)
+    pos = y > 0.5
+    n_pos = int(pos.sum())
+    n_neg = s.size - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    ranks = rankdata(prob)
-    return float((ranks[label].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def brier(prob: np.ndarray, label: np.ndarray) -> float:
-    prob = np.asarray(prob, dtype=np.float64).ravel()
-    label = np.asarray(label, dtype=np.float64).ravel()
-    return float(np.mean((prob - label) ** 2)) if prob.size else float("nan")
+    order = np.argsort(s, kind="mergesort")
+    sorted_s = s[order]
+    ranks = np.empty(s.size, dtype=np.float64)
+    # average rank (1-based) over each run of equal scores
+    starts = np.flatnonzero(np.r_[True, sorted_s[1:] != sorted_s[:-1]])
+    ends = np.r_[starts[1:], s.size]
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    u = ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
 
 
 def confidence_calibration(cum_conf: np.ndarray, num_accepted: np.ndarray, num_proposed: np.ndarray) -> list[dict]:
@@ -72,7 +121,8 @@ def confidence_calibration(cum_conf: np.ndarray, num_accepted: np.ndarray, num_p
     for k in range(1, cum_conf.shape[1] + 1):
         sel = prop >= k
         p, y = cum_conf[sel, k - 1], (acc[sel] >= k).astype(np.float64)
-        out.append({"position": k, "n": int(sel.sum()), "ece": ece(p, y), "auc": auc(p, y), "brier": brier(p, y),
+        out.append({"position": k, "n": int(sel.sum()), "ece": ece(p, y) if p.size else float("nan"), "auc": roc_auc(p, y),
+                    "brier": brier(p, y),
                     "mean_conf": float(p.mean()) if p.size else float("nan"),
                     "accept_rate": float(y.mean()) if y.size else float("nan")})
     return out

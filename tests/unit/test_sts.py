@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.engine.calibration_metrics import brier, ece, reliability_bins, roc_auc
+from dspark.training.metrics import brier, ece, reliability_bins, roc_auc
 from dspark.engine.sts import (
     StsCalibration,
     StsCalibrationError,
