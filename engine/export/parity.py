@@ -1,9 +1,11 @@
 """ONNX Runtime vs PyTorch parity of the exported drafter step, on a real target.
 
-    python -m dspark.engine.export.parity [--checkpoint DIR] [--cases 1x64,4x128,8x256,16x512] \
-        [--output-dir docs/benchmarks]
+    python -m dspark.engine.export.parity [--checkpoint DIR | --engine-dir DIR] \
+        [--cases 1x64,4x128,8x256,16x512] [--output-dir docs/benchmarks]
 
-Without ``--checkpoint`` the quickstart recipe's drafter is built with seeded random
+With ``--engine-dir`` (``scripts/build_engine.sh`` output) the check runs the engine's own
+``onnx/dspark_draft.onnx`` against its ``drafter/`` checkpoint, with the SPS table and STS
+temperatures the build embedded. Without either option the quickstart recipe's drafter is built with seeded random
 weights (untrained; its Markov and confidence heads are then randomised too, since they
 start at zero and would make the check trivial). Context features come from the target
 itself on eval prompts (``data/eval``), or seeded random token ids when none are found.
@@ -40,7 +42,26 @@ def _contexts(target, n: int, T: int, seed: int) -> torch.Tensor:
     return torch.stack([base[s:s + T + 1] if s + T + 1 <= len(ids) else base[:T + 1] for s in starts.tolist()])
 
 
-def run(checkpoint: str | None, cases: list[tuple[int, int]], out_dir: Path, seed: int = 0, repeats: int = 5) -> dict:
+def _engine_dir_inputs(engine_dir: Path, target):
+    """-> (drafter, onnx path, dense SPS table, STS temperatures) exactly as the build used them."""
+    from dspark.engine.sps import load_sps_table
+    from dspark.engine.sts import StsCalibration
+    from dspark.training.checkpoint import load_checkpoint
+
+    from .manifest import validate_engine_dir
+
+    validate_engine_dir(engine_dir, target, files="all")
+    meta = json.loads((engine_dir / "engine.json").read_text())
+    drafter, _, _ = load_checkpoint(engine_dir / meta.get("drafter_dir", "drafter"), target)
+    n_tokens = meta["shapes"]["schedule_max_tokens"]
+    table = (load_sps_table(engine_dir / meta["sps"]).as_tensor(max_tokens=n_tokens).tolist() if meta.get("sps")
+             else flat_sps_table(n_tokens))
+    sts = StsCalibration.load(engine_dir / meta["sts"]).temperatures if meta.get("sts") else None
+    return drafter, engine_dir / "onnx" / "dspark_draft.onnx", table, sts
+
+
+def run(checkpoint: str | None, cases: list[tuple[int, int]], out_dir: Path, seed: int = 0, repeats: int = 5,
+        engine_dir: str | None = None) -> dict:
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.config import load_run_config
     from dspark.training.models import build_drafter, drafter_config_for
@@ -49,7 +70,11 @@ def run(checkpoint: str | None, cases: list[tuple[int, int]], out_dir: Path, see
     torch.set_num_threads(1)
     run_cfg = load_run_config("quickstart")
     target = load_target(run_cfg.target)
-    if checkpoint:
+    onnx_path, table, sts = None, None, None
+    if engine_dir:
+        drafter, onnx_path, table, sts = _engine_dir_inputs(Path(engine_dir), target)
+        which = f"engine directory {engine_dir} (its drafter, ONNX file, SPS table and STS temperatures)"
+    elif checkpoint:
         drafter, _, meta = load_checkpoint(Path(checkpoint), target)
         which = f"trained checkpoint {checkpoint} (step {meta.get('step')})"
     else:
@@ -61,12 +86,16 @@ def run(checkpoint: str | None, cases: list[tuple[int, int]], out_dir: Path, see
         which = "untrained quickstart drafter (seeded random weights, heads randomised)"
     K = drafter.cfg.block_size
     max_b = max(b for b, _ in cases)
-    table = [0.0] + [1000.0 / (20.0 + 0.05 * b) for b in range(1, max_b * (K + 1) + 1)]  # a falling SPS curve
+    if table is None:
+        table = [0.0] + [1000.0 / (20.0 + 0.05 * b) for b in range(1, max_b * (K + 1) + 1)]  # a falling SPS curve
+    if len(table) < max_b * (K + 1) + 1:
+        raise SystemExit(f"cases need up to {max_b * (K + 1)} batch tokens; the engine was built for {len(table) - 1}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "dspark_draft.onnx"
-        export_onnx(drafter, path, sps_table=table)
+        path = onnx_path or Path(tmp) / "dspark_draft.onnx"
+        if onnx_path is None:
+            export_onnx(drafter, path, sps_table=table)
         session = ort_session(path, threads=1)
-        step = DraftStep(drafter).eval()
+        step = DraftStep(drafter, sts).eval()
         rows = []
         for R, T in cases:
             toks = _contexts(target, R, T, seed + R * 1000 + T)
@@ -98,13 +127,15 @@ def run(checkpoint: str | None, cases: list[tuple[int, int]], out_dir: Path, see
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", help="a trained drafter checkpoint (exported to a temporary ONNX file)")
+    src.add_argument("--engine-dir", help="an engine directory from scripts/build_engine.sh (its own ONNX file)")
     ap.add_argument("--cases", default="1x64,4x128,8x256,16x512", help="comma list of BATCHxCONTEXT")
     ap.add_argument("--output-dir", default="docs/benchmarks")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
-    run(a.checkpoint, cases, Path(a.output_dir), repeats=a.repeats)
+    run(a.checkpoint, cases, Path(a.output_dir), repeats=a.repeats, engine_dir=a.engine_dir)
 
 
 if __name__ == "__main__":

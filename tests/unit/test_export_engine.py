@@ -217,3 +217,35 @@ def test_cli_build_exits_nonzero_with_one_line_on_block_mismatch(tmp_path, capsy
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "block_size 4" in err and "\n" not in err
+
+
+def test_parity_check_runs_the_engine_directory_own_onnx_with_its_sps_and_sts(tmp_path):
+    from dspark.engine.export import parity
+    from dspark.engine.export.onnx_export import DraftStep, ort_session, parity_case
+    from dspark.engine.sps import SpsTable
+    from dspark.engine.sts import StsCalibration
+
+    target = make_tiny_target()
+    d, cfg = _drafter(target, seed=3)
+    save_checkpoint(tmp_path / "ckpt", d, cfg, target.identity(), step=5)
+    SpsTable(tokens=[1, 8, 32], steps_per_s=[50.0, 30.0, 5.0], device="cpu", engine="toy").save(tmp_path / "sps.json")
+    temps = [0.5 + 0.25 * k for k in range(cfg.block_size)]
+    StsCalibration(temperatures=temps).save(tmp_path / "sts.json")
+    builder.build_engine(drafter_dir=tmp_path / "ckpt", output=tmp_path / "eng", target=target, max_batch=4,
+                         what="onnx", sps=tmp_path / "sps.json", sts=tmp_path / "sts.json")
+    drafter, onnx_path, table, sts = parity._engine_dir_inputs(tmp_path / "eng", target)
+    assert onnx_path == tmp_path / "eng" / "onnx" / "dspark_draft.onnx" and sts == temps
+    assert len(table) == 4 * (cfg.block_size + 1) + 1 and table[1] > table[-1]
+    g = torch.Generator().manual_seed(0)
+    R, T = 3, 12
+    aux = torch.randn(R, T, cfg.num_aux_layers * cfg.hidden_size, generator=g)
+    lens = torch.tensor([12, 5, 9])
+    anchor = torch.randint(0, cfg.vocab_size, (R,), generator=g)
+    case = parity_case(DraftStep(drafter, sts).eval(), ort_session(onnx_path), aux, lens, anchor, lens, table,
+                       repeats=1)
+    assert case.max_abs_logit_diff < 1e-4 and case.greedy_draft_match == 1.0
+    assert case.conf_max_abs_diff < 1e-5 and case.verify_lens_match == 1.0
+    # a different STS than the one embedded would show up in the confidences
+    other = parity_case(DraftStep(drafter, None).eval(), ort_session(onnx_path), aux, lens, anchor, lens, table,
+                        repeats=1)
+    assert other.conf_max_abs_diff > 1e-4
