@@ -9,6 +9,7 @@ request per engine step until the batch is full) so the engine runs in flight.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ class SystemResult:
     p99_token_ms: float
     output_tokens: int
     seconds: float
+    drafted_step_frac: float | None = None  # share of decode steps that ran the drafter (adaptive drafting)
 
 
 def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
@@ -82,13 +84,15 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
     drafted = engine.stats["draft_tokens"] - stats0["draft_tokens"]
     row_rounds = engine.stats["batch_size_sum"] - stats0["batch_size_sum"]
     spec = engine.K > 0
+    skipped = engine.stats["skipped_draft_steps"] - stats0["skipped_draft_steps"]
     return SystemResult(
         system=name, batch=batch, tokens_per_s=total / secs,
         accept_len=(acc + row_rounds) / row_rounds if spec and row_rounds else None,
         verified_per_accepted=(drafted + row_rounds) / max(acc + row_rounds, 1) if spec else None,
         p50_token_ms=float(np.percentile(lat, 50)) if lat else float("nan"),
         p99_token_ms=float(np.percentile(lat, 99)) if lat else float("nan"),
-        output_tokens=total, seconds=secs)
+        output_tokens=total, seconds=secs,
+        drafted_step_frac=1.0 - skipped / rounds if spec and rounds else None)
 
 
 @torch.no_grad()
@@ -121,13 +125,15 @@ def run_hf_generate(target, prompts: list[list[int]], max_tokens: int, batch: in
 def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[int], max_tokens: int, sps=None,
                      sts=None, systems: tuple[str, ...] = ("target_only", "spec_fixed", "spec_scheduled",
                                                          "hf_generate", "hf_prompt_lookup"),
-                     min_prompts: int = 4) -> list[SystemResult]:
-    """Each batch size decodes ``max(2 * batch, min_prompts)`` prompts (cycled) with every system."""
+                     min_prompts: int = 4, requests_per_slot: float = 2.0) -> list[SystemResult]:
+    """Each batch size decodes ``max(ceil(requests_per_slot * batch), min_prompts)`` prompts (cycled)
+    with every system."""
     results = []
     # min_tokens is not a thing in our engine: no stop tokens, so every request runs max_tokens
     params = SamplingParams(max_tokens=max_tokens)
     for batch in tqdm(batches, desc="decode bench", unit="batch size"):
-        ps = [prompts[i % len(prompts)] for i in range(max(2 * batch, min_prompts))]
+        n = max(math.ceil(requests_per_slot * batch), min_prompts)
+        ps = [prompts[i % len(prompts)] for i in range(n)]
         for system in systems:
             if system == "target_only":
                 eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=batch))
@@ -204,13 +210,14 @@ def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, 
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     base = {(r.batch): r.tokens_per_s for r in results if r.system == "target_only"}
     lines = [f"# Decode benchmark ({device})", "", f"Command: `{command}`", "",
-             "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | p50 ms/token | p99 ms/token |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | steps drafted | p50 ms/token | p99 ms/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r.tokens_per_s / base[r.batch] if r.batch in base else float("nan")
         al = "-" if r.accept_len is None else f"{r.accept_len:.2f}"
         vp = "-" if r.verified_per_accepted is None else f"{r.verified_per_accepted:.2f}"
-        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | "
+        ds = "-" if r.drafted_step_frac is None else f"{100 * r.drafted_step_frac:.0f}%"
+        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | {ds} | "
                      f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} |")
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out_dir / f"{name}.png")
