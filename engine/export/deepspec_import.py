@@ -1,6 +1,6 @@
 """Import a DeepSpec-layout DSpark checkpoint (``config.json`` + ``*.safetensors``) as our drafter.
 
-The inverse of :mod:`.hf_export`: tensor names are mapped back (:data:`REVERSE_MAP`), the
+The inverse of :mod:`.hf_export`: tensor names are mapped back (:func:`.hf_export.rename_tensor`), the
 draft config keys become a ``DrafterConfig``, and the result is checked against the loaded
 target (hidden size, vocabulary, target layer ids, and that the file's frozen embedding /
 LM head have the target's shapes). Export then import reproduces our drafter bit for bit.
@@ -22,21 +22,9 @@ from safetensors.torch import load_file
 
 from dspark.training.models import DrafterConfig, build_drafter
 
-__all__ = ["DeepSpecImportError", "REVERSE_MAP", "from_deepspec_state", "config_from_deepspec", "import_deepspec"]
+from .hf_export import FROZEN, rename_tensor
 
-REVERSE_MAP: tuple[tuple[str, str], ...] = (
-    (r"^fc\.weight$", "fc.weight"),
-    (r"^hidden_norm\.weight$", "ctx_norm.weight"),
-    (r"^norm\.weight$", "norm.weight"),
-    (r"^layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$", r"layers.\1.\2.weight"),
-    (r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"layers.\1.\2.weight"),
-    (r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r"layers.\1.mlp.\2.weight"),
-    (r"^markov_head\.markov_w1\.weight$", "markov.w1.weight"),
-    (r"^markov_head\.markov_w2\.weight$", "markov.w2.weight"),
-    (r"^confidence_head\.proj\.(weight|bias)$", r"confidence.proj.\1"),
-)
-FROZEN = ("embed_tokens.weight", "lm_head.weight")
-
+__all__ = ["DeepSpecImportError", "from_deepspec_state", "config_from_deepspec", "import_deepspec"]
 
 class DeepSpecImportError(RuntimeError):
     pass
@@ -44,19 +32,15 @@ class DeepSpecImportError(RuntimeError):
 
 def from_deepspec_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """-> (our drafter state dict, the frozen tensors found: embed_tokens / lm_head)."""
-    import re
-
     ours, frozen = {}, {}
     for name, t in state.items():
         if name in FROZEN:
             frozen[name] = t
             continue
-        for pat, rep in REVERSE_MAP:
-            if re.match(pat, name):
-                ours[re.sub(pat, rep, name)] = t
-                break
-        else:
+        mine = rename_tensor(name, to_reference=False)
+        if mine is None:
             raise DeepSpecImportError(f"tensor {name!r} is not part of a DSpark drafter this kit can load")
+        ours[mine] = t
     return ours, frozen
 
 

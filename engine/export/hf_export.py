@@ -9,7 +9,7 @@ Layout written (``hf/``), following the DeepSpec reference checkpoints (the form
   ``markov_rank`` (0 = no Markov head), ``markov_head_type``, ``enable_confidence_head``,
   ``confidence_head_with_markov``, ``tie_word_embeddings: false``, ``layer_types``; plus
   ``dspark_kit`` (our DrafterConfig, for an exact import back);
-- ``model.safetensors`` with the reference tensor names (:data:`KEY_MAP`), including the
+- ``model.safetensors`` with the reference tensor names (:data:`NAME_PAIRS`), including the
   target's frozen ``embed_tokens`` and ``lm_head`` (the reference checkpoint carries them).
 
 ``trtllm/`` holds ``llm_api_options.yaml`` (``speculative_config`` with ``decoding_type:
@@ -29,35 +29,47 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["ExportError", "KEY_MAP", "to_deepspec_state", "deepspec_config", "export_hf", "sps_to_trtllm",
+__all__ = ["ExportError", "NAME_PAIRS", "rename_tensor", "to_deepspec_state", "deepspec_config", "export_hf", "sps_to_trtllm",
            "write_trtllm_options", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# ours -> reference (regex on our state-dict names; layer index carried through)
-KEY_MAP: tuple[tuple[str, str], ...] = (
-    (r"^fc\.weight$", "fc.weight"),
-    (r"^ctx_norm\.weight$", "hidden_norm.weight"),
-    (r"^norm\.weight$", "norm.weight"),
-    (r"^layers\.(\d+)\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$", r"layers.\1.self_attn.\2.weight"),
-    (r"^layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$", r"layers.\1.\2.weight"),
-    (r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", r"layers.\1.mlp.\2.weight"),
-    (r"^markov\.w1\.weight$", "markov_head.markov_w1.weight"),
-    (r"^markov\.w2\.weight$", "markov_head.markov_w2.weight"),
-    (r"^confidence\.proj\.(weight|bias)$", r"confidence_head.proj.\1"),
+# (our name, reference name) of every drafter tensor; "{i}" is a layer index
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+NAME_PAIRS: tuple[tuple[str, str], ...] = (
+    ("fc.weight", "fc.weight"),
+    ("ctx_norm.weight", "hidden_norm.weight"),
+    ("norm.weight", "norm.weight"),
+    *((f"layers.{{i}}.{p}.weight", f"layers.{{i}}.self_attn.{p}.weight") for p in _ATTN),
+    *((f"layers.{{i}}.{n}.weight",) * 2 for n in ("input_layernorm", "post_attention_layernorm")),
+    *((f"layers.{{i}}.mlp.{n}.weight",) * 2 for n in ("gate_proj", "up_proj", "down_proj")),
+    ("markov.w1.weight", "markov_head.markov_w1.weight"),
+    ("markov.w2.weight", "markov_head.markov_w2.weight"),
+    ("confidence.proj.weight", "confidence_head.proj.weight"),
+    ("confidence.proj.bias", "confidence_head.proj.bias"),
 )
-FROZEN = ("embed_tokens.weight", "lm_head.weight")
+FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's, shared and frozen
+
+
+def rename_tensor(name: str, to_reference: bool = True) -> str | None:
+    """Our tensor name -> the reference one (or back); None when the name has no counterpart."""
+    for ours, ref in NAME_PAIRS:
+        src, dst = (ours, ref) if to_reference else (ref, ours)
+        m = re.fullmatch(re.escape(src).replace(re.escape("{i}"), r"(\d+)"), name)
+        if m:
+            return dst.replace("{i}", m.group(1)) if m.groups() else dst
+    return None
 
 
 class ExportError(RuntimeError):
     pass
 
 
-def _map_key(name: str, table) -> str:
-    for pat, rep in table:
-        if re.match(pat, name):
-            return re.sub(pat, rep, name)
-    raise ExportError(f"tensor {name!r} has no counterpart in the reference DSpark layout")
+def _to_reference(name: str) -> str:
+    ref = rename_tensor(name)
+    if ref is None:
+        raise ExportError(f"tensor {name!r} has no counterpart in the reference DSpark layout")
+    return ref
 
 
 def _check_exportable(cfg) -> None:
@@ -71,7 +83,7 @@ def _check_exportable(cfg) -> None:
 def to_deepspec_state(drafter, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our drafter (+ the target's frozen embedding and LM head) under reference names."""
     _check_exportable(drafter.cfg)
-    out = {_map_key(k, KEY_MAP): v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    out = {_to_reference(k): v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     out["embed_tokens.weight"] = drafter.embed.weight.detach().to(dtype).contiguous().cpu().clone()
     out["lm_head.weight"] = drafter.lm_head.weight.detach().to(dtype).contiguous().cpu().clone()
     return out
