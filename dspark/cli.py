@@ -38,6 +38,22 @@ def _load(args):
     return cfg
 
 
+
+def _checkpoint_dir(args, cfg) -> Path:
+    """--checkpoint, or the run's latest checkpoint."""
+    return Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
+
+
+def _run_target_drafter(args):
+    """-> (run config, loaded target, drafter from --checkpoint or the run's latest)."""
+    from dspark.training.checkpoint import load_checkpoint
+    from dspark.training.target import load_target
+
+    cfg = _load(args)
+    target = load_target(cfg.target)
+    drafter, _, _ = load_checkpoint(_checkpoint_dir(args, cfg), target)
+    return cfg, target, drafter
+
 def cmd_prepare_data(args) -> None:
     from dspark.training.data import prepare_data
 
@@ -55,20 +71,15 @@ def cmd_train(args) -> None:
 
 def cmd_eval(args) -> None:
     from dspark.engine.evaluate import evaluate, print_table, write_results
-    from dspark.training.checkpoint import load_checkpoint
-    from dspark.training.target import load_target
 
-    cfg = _load(args)
-    target = load_target(cfg.target)
-    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
-    drafter, _, _ = load_checkpoint(ckpt, target)
+    cfg, target, drafter = _run_target_drafter(args)
     e = cfg.eval
     tasks = args.tasks.split(",") if args.tasks else e.tasks
     results = evaluate(target, drafter, tasks, e.temperatures, e.samples_per_task, e.max_new_tokens, e.seed,
                        cfg.data.data_root)
     print_table(results)
     out = Path(args.output) if args.output else cfg.run_dir / "eval.json"
-    write_results(results, out, {"checkpoint": str(ckpt), "target": cfg.target.name})
+    write_results(results, out, {"checkpoint": str(_checkpoint_dir(args, cfg)), "target": cfg.target.name})
     print(f"results: {out}")
 
 
@@ -114,7 +125,7 @@ def cmd_profile(args) -> None:
     target = load_target(cfg.target)
     table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
                                repeats=args.repeats)
-    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
+    ckpt = _checkpoint_dir(args, cfg)
     if ckpt.exists():  # the drafter's own cost lets the engine skip drafting where it cannot pay
         from dspark.engine.bench import profile_draft_cost
         from dspark.training.checkpoint import load_checkpoint
@@ -140,13 +151,8 @@ def cmd_profile(args) -> None:
 
 def cmd_calibrate(args) -> None:
     from dspark.engine.calibrate import calibrate, held_out_prompts
-    from dspark.training.checkpoint import load_checkpoint
-    from dspark.training.target import load_target
 
-    cfg = _load(args)
-    target = load_target(cfg.target)
-    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
-    drafter, _, _ = load_checkpoint(ckpt, target)
+    cfg, target, drafter = _run_target_drafter(args)
     out = Path(args.output) if args.output else cfg.run_dir / "sts.json"
     summary = calibrate(target, drafter, held_out_prompts(cfg, target, args.prompts), cfg.eval.max_new_tokens,
                         cfg.eval.seed, out)
@@ -160,14 +166,9 @@ def cmd_bench(args) -> None:
     from dspark.engine.bench import decode_benchmark, write_decode_results
     from dspark.engine.sps import load_sps_table
     from dspark.engine.sts import StsCalibration
-    from dspark.training.checkpoint import load_checkpoint
     from dspark.training.data import load_eval_prompts
-    from dspark.training.target import load_target
 
-    cfg = _load(args)
-    target = load_target(cfg.target)
-    ckpt = Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
-    drafter, _, _ = load_checkpoint(ckpt, target)
+    cfg, target, drafter = _run_target_drafter(args)
     sps = load_sps_table(args.sps) if args.sps else None
     sts = StsCalibration.load(args.sts).temperatures if args.sts else None
     prompts = [target.chat_prompt_ids(p) for task in ("math", "code", "chat")
