@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .jsonfile import read_json_file
+from dspark.training.jsonfile import read_json_file
 
 __all__ = [
     "SPS_FORMAT",

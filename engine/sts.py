@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from dspark.training.metrics import brier, ece, roc_auc
-from dspark.engine.jsonfile import read_json_file
+from dspark.training.jsonfile import read_json_file
 
 __all__ = [
     "STS_FORMAT",

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .jsonfile import read_json_file
 from .models import DrafterConfig
 
 CKPT_FORMAT = "dspark-drafter"
@@ -58,10 +59,7 @@ def read_meta(path: Path) -> dict:
     meta_path = path / "drafter.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: not a drafter checkpoint (no drafter.json)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: corrupt JSON ({exc.msg} at line {exc.lineno})") from None
+    meta = read_json_file(meta_path, "checkpoint metadata", CheckpointError)
     if meta.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {CKPT_FORMAT!r}")
     if meta.get("version") != CKPT_VERSION:

@@ -13,13 +13,13 @@ a checkpoint for another target.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from dspark.training.jsonfile import read_json_file
 from dspark.training.models import DrafterConfig, build_drafter
 
 from .hf_export import FROZEN, rename_tensor
@@ -77,10 +77,7 @@ def import_deepspec(path: str | Path, target):
     conf_path = path / "config.json"
     if not conf_path.is_file():
         raise DeepSpecImportError(f"{path}: no config.json")
-    try:
-        conf = json.loads(conf_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DeepSpecImportError(f"{conf_path}: not valid JSON ({exc.msg})") from None
+    conf = read_json_file(conf_path, "drafter config", DeepSpecImportError)
     cfg = config_from_deepspec(conf, str(conf_path))
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
         raise DeepSpecImportError(f"{conf_path}: drafter for hidden_size={cfg.hidden_size}, vocab={cfg.vocab_size}; "

@@ -84,7 +84,7 @@ def test_truncated_or_corrupt_checkpoint_gives_a_one_line_error(tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         load_checkpoint(ckpt, target)
     (ckpt / "drafter.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="corrupt JSON"):
+    with pytest.raises(CheckpointError, match="not valid JSON"):
         load_checkpoint(ckpt, target)
 
 

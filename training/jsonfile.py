@@ -1,4 +1,4 @@
-"""Reading the engine's small JSON side files (SPS tables, STS calibrations) with one-line errors."""
+"""Reading small JSON side files (checkpoint metadata, SPS tables, STS calibrations) with one-line errors."""
 from __future__ import annotations
 
 import json
