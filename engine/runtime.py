@@ -34,6 +34,7 @@ from .draft_gate import DraftGate
 from .draft_runner import make_draft_runner
 from .scheduler import make_scheduler
 from .sps import SpsTable
+from .static_target import StaticTarget, default_row_buckets
 from .target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class EngineConfig:
     max_context: int = 2048
     prefill_chunk: int = 256
     seed: int = 0
+    static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
     record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
 
@@ -104,6 +106,7 @@ class SpecEngine:
         self.drafter = drafter if self.cfg.mode == "spec" else None
         self.draft_runner = make_draft_runner(drafter, self.cfg.max_batch) if self.drafter is not None else None
         self.K = drafter.cfg.block_size if self.drafter is not None else 0
+        self._use_static_steps()
         has_conf = self.drafter is not None and getattr(self.drafter, "confidence", None) is not None
         sched = self.cfg.scheduler if has_conf else "fixed"
         if sched in ("algorithm1", "async") and sps is None:
@@ -127,6 +130,18 @@ class SpecEngine:
         self.stats = {"steps": 0, "rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
                       "accepted_per_position": [0] * max(self.K, 1), "verify_len_hist": [0] * (self.K + 1),
                       "batch_size_sum": 0, "skipped_draft_steps": 0}
+
+    def _use_static_steps(self) -> None:
+        """Decode steps at fixed shapes (``static_target.py``): CUDA graphs on a GPU."""
+        mode = self.cfg.static_steps
+        if mode not in ("auto", "graphs", "eager", "off"):
+            raise ValueError(f"static_steps must be auto, graphs, eager or off, got {mode!r}")
+        on_gpu = self.runner.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not on_gpu):
+            return
+        queries = sorted({1, 2, 4, self.K + 1}) if self.K else [1]
+        self.runner = StaticTarget(self.runner, default_row_buckets(self.cfg.max_batch), queries,
+                                   use_graphs=mode in ("auto", "graphs"))
 
     def _make_gate(self, sps, sched: str) -> DraftGate | None:
         """The cost-aware drafting gate, with the hardware-aware schedulers and a drafter-cost table."""

@@ -58,11 +58,16 @@ class TargetRunner:
             return
         if needed > self.max_context:
             raise ValueError(f"context of {needed} tokens exceeds max_context={self.max_context}")
-        new_cap = min(max(needed, 2 * self.capacity), self.max_context)
-        pad = new_cap - self.capacity
-        self.k = F.pad(self.k, (0, 0, 0, pad))
-        self.v = F.pad(self.v, (0, 0, 0, pad))
-        self.capacity = new_cap
+        self.reserve(min(max(needed, 2 * self.capacity), self.max_context))
+
+    def reserve(self, capacity: int) -> None:
+        """Allocate the cache for ``capacity`` positions now (may exceed ``max_context`` by a
+        query's slack); it never moves again unless more is needed (static-shape steps)."""
+        if capacity > self.capacity:
+            pad = capacity - self.capacity
+            self.k = F.pad(self.k, (0, 0, 0, pad))
+            self.v = F.pad(self.v, (0, 0, 0, pad))
+            self.capacity = capacity
 
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
@@ -123,6 +128,34 @@ class TargetRunner:
             if need_features else last.new_zeros(R, Q, 0)
         return RaggedOutput(logits=logits, aux=aux, last=last)
 
+    @torch.no_grad()
+    def forward_static(self, ids: torch.Tensor, start: torch.Tensor) -> RaggedOutput:
+        """Rows ``0..Rb-1`` on ``ids [Rb, Q]`` (device tensors) with fixed shapes, for CUDA graphs.
+
+        Same result as ``forward`` for each row's valid queries, but nothing depends on the
+        data on the host: every query writes its K/V at ``start[r] + i`` (padding queries land
+        past the row's committed length, where they are overwritten later; positions are
+        clamped into the cache) and attention reads the whole cache under a mask. The cache
+        must not grow while graphs hold it: allocate ``capacity`` for ``max_context`` + Q.
+        """
+        Rb, Q = ids.shape
+        C = self.capacity
+        pos = start.unsqueeze(1) + torch.arange(Q, device=ids.device).unsqueeze(0)  # [Rb, Q]
+        wpos = pos.clamp(max=C - 1)
+        rows = torch.arange(Rb, device=ids.device).unsqueeze(1).expand(Rb, Q)
+        mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
+        dec = self.target.decoder
+        h = dec.embed_tokens(ids)
+        cos, sin = dec.rotary_emb(h, pos)
+        captured = []
+        for li, layer in enumerate(self.layers):
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, None, Rb, C)
+            if li in self.layer_ids:
+                captured.append((li, h))
+        last = dec.norm(h)
+        aux = torch.cat([c for _, c in sorted(captured, key=lambda x: self.layer_ids.index(x[0]))], dim=-1)
+        return RaggedOutput(logits=self.target.lm_head(last), aux=aux, last=last)
+
     def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -134,11 +167,14 @@ class TargetRunner:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # write the valid new entries into the cache rows
+        # write the new entries into the cache rows (q_valid None: all of them, static shapes)
         kc, vc = self.k[li], self.v[li]
-        kc[rows, :, wpos] = k.transpose(1, 2)[q_valid]
-        vc[rows, :, wpos] = v.transpose(1, 2)[q_valid]
-        if self._contiguous:
+        k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)
+        if q_valid is not None:
+            k_new, v_new = k_new[q_valid], v_new[q_valid]
+        kc[rows, :, wpos] = k_new
+        vc[rows, :, wpos] = v_new
+        if q_valid is None or self._contiguous:
             keys, vals = kc[:R, :, :total], vc[:R, :, :total]
         else:
             keys, vals = kc[self._slot_t, :, :total], vc[self._slot_t, :, :total]

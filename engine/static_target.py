@@ -1,0 +1,116 @@
+"""Fixed-shape target steps, replayed from CUDA graphs on a GPU.
+
+A decode step of a small target is bound by Python and kernel launches, not by the GPU:
+transformers eager takes 21-36 ms per SmolLM2 forward on an H200 at any batch, while
+reading the weights once takes about 65 us. ``StaticTarget`` wraps a ``TargetRunner`` and
+runs decode steps through ``TargetRunner.forward_static`` at a few fixed shapes, the
+buckets (rows, query length); a step is padded up to the smallest bucket that holds it.
+On a CUDA device each bucket is captured once as a CUDA graph over static input buffers
+and a step is a host-to-device copy of token ids and lengths plus one graph replay. On
+the CPU the same buckets run eagerly, so the bucketing, padding and cache handling are
+tested here (``tests/unit/test_static_target.py``); only the capture itself needs a GPU
+(``tests/gpu/test_static_target_gpu.py``, run by ``scripts/gpu_check.sh``).
+
+Prefill chunks (``last_logits_only``), non-contiguous slots and steps larger than the
+largest bucket fall back to the ragged eager ``forward``. The KV cache is allocated at its
+full size up front (``max_context`` plus the largest query), because graphs hold its address.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence
+
+import torch
+
+from .target_runner import RaggedOutput, TargetRunner
+
+__all__ = ["StaticTarget", "default_row_buckets"]
+
+
+def default_row_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``max_rows``."""
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    return out + [max_rows]
+
+
+class StaticTarget:
+    """A ``TargetRunner`` whose decode steps run at fixed shapes (CUDA graphs on a GPU).
+
+    Everything but ``forward`` is the wrapped runner's (lengths, slots, cache).
+    """
+
+    def __init__(self, runner: TargetRunner, row_buckets: Sequence[int], query_buckets: Sequence[int],
+                 use_graphs: bool | None = None) -> None:
+        self.runner = runner
+        self.row_buckets = sorted(set(int(b) for b in row_buckets if 1 <= b <= runner.max_slots))
+        self.query_buckets = sorted(set(int(q) for q in query_buckets if q >= 1))
+        if not self.row_buckets or not self.query_buckets:
+            raise ValueError(f"need row buckets in 1..{runner.max_slots} and query buckets >= 1, "
+                             f"got {list(row_buckets)}, {list(query_buckets)}")
+        self.use_graphs = runner.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need the target on a CUDA device")
+        runner.reserve(runner.max_context + self.query_buckets[-1])
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._steps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Callable[[], RaggedOutput]]] = {}
+        self.replays = 0  # decode steps served from a bucket (the rest fell back to eager)
+        for rows in self.row_buckets:
+            for q in self.query_buckets:
+                self._steps[(rows, q)] = self._build(rows, q)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def _build(self, rows: int, q: int):
+        dev = self.runner.device
+        ids = torch.zeros(rows, q, dtype=torch.long, device=dev)
+        start = torch.zeros(rows, dtype=torch.long, device=dev)
+        if not self.use_graphs:
+            return ids, start, lambda: self.runner.forward_static(ids, start)
+        # Warm up on a side stream (lazy inits, cuBLAS workspaces), then capture. This runs
+        # before any request exists, so what the warm-up writes into the cache is unused.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.runner.forward_static(ids, start)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.runner.forward_static(ids, start)
+
+        def replay() -> RaggedOutput:
+            graph.replay()
+            return out
+        return ids, start, replay
+
+    def bucket(self, rows: int, q: int) -> tuple[int, int] | None:
+        i = bisect.bisect_left(self.row_buckets, rows)
+        j = bisect.bisect_left(self.query_buckets, q)
+        if i == len(self.row_buckets) or j == len(self.query_buckets):
+            return None
+        return self.row_buckets[i], self.query_buckets[j]
+
+    @torch.no_grad()
+    def forward(self, slots: list[int], tokens: list[list[int]], need_features: bool = True,
+                last_logits_only: bool = False) -> RaggedOutput:
+        R = len(tokens)
+        Q = max(len(t) for t in tokens)
+        key = self.bucket(R, Q)
+        if last_logits_only or key is None or slots != list(range(R)):
+            return self.runner.forward(slots, tokens, need_features, last_logits_only)
+        ids, start, run = self._steps[key]
+        host = torch.zeros(ids.shape, dtype=torch.long)
+        for r, t in enumerate(tokens):
+            host[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        ids.copy_(host, non_blocking=True)
+        # rows past R are other slots (free, or mid-prefill): padding writes land past their
+        # committed lengths, where the next real write overwrites them and no query looks
+        start.copy_(self.runner.lengths[: key[0]], non_blocking=True)
+        out = run()
+        self.replays += 1
+        # views of the graph's output buffers: valid until the next replay (the next step)
+        return RaggedOutput(logits=out.logits[:R, :Q], aux=out.aux[:R, :Q], last=out.last[:R, :Q])

@@ -1,0 +1,86 @@
+"""Fixed-shape decode steps (the shapes CUDA graphs replay) compute what the ragged forward does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.api import SamplingParams
+from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.static_target import StaticTarget, default_row_buckets
+from dspark.engine.target_runner import TargetRunner
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import make_tiny_target, tiny_run_config
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_static_forward_matches_the_ragged_forward_on_every_valid_query(model_type):
+    target = make_tiny_target(model_type)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    steps = [[7, 8, 9], [10], [11, 12]]  # ragged queries, as in a verify step
+
+    def prefilled(reserve: int | None) -> TargetRunner:
+        r = TargetRunner(target, max_slots=4, initial_capacity=8, max_context=64)
+        if reserve:
+            r.reserve(reserve)
+        r.forward([0, 1, 2], prompts, last_logits_only=True)
+        for i, p in enumerate(prompts):
+            r.set_length(i, len(p))
+        return r
+
+    ragged = prefilled(None).forward([0, 1, 2], steps)
+    static_runner = prefilled(64 + 4)
+    ids = torch.zeros(4, 4, dtype=torch.long)  # padded to a (4 rows, 4 queries) bucket
+    for r, t in enumerate(steps):
+        ids[r, : len(t)] = torch.tensor(t)
+    out = static_runner.forward_static(ids, static_runner.lengths[:4].clone())
+    for r, t in enumerate(steps):
+        n = len(t)
+        torch.testing.assert_close(out.logits[r, :n], ragged.logits[r, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.aux[r, :n], ragged.aux[r, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_buckets_round_up_and_fall_back_past_the_largest():
+    target = make_tiny_target()
+    st = StaticTarget(TargetRunner(target, max_slots=6, max_context=32), default_row_buckets(6), [1, 5],
+                      use_graphs=False)
+    assert default_row_buckets(6) == [1, 2, 4, 6] and default_row_buckets(1) == [1]
+    assert st.bucket(3, 2) == (4, 5) and st.bucket(1, 1) == (1, 1) and st.bucket(6, 5) == (6, 5)
+    assert st.bucket(7, 1) is None and st.bucket(2, 6) is None
+    assert st.capacity == 32 + 5  # allocated once, with a query's slack past max_context
+    with pytest.raises(ValueError, match="CUDA"):
+        StaticTarget(TargetRunner(target, max_slots=2, max_context=16), [1], [1], use_graphs=True)
+
+
+def _run(engine, jobs):
+    outs: dict[str, list[int]] = {}
+    pending = sorted(jobs)
+    step = 0
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
+        engine.step()
+        step += 1
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["spec", "target_only"])
+def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode):
+    target = make_tiny_target()
+    torch.manual_seed(1)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target) if mode == "spec" else None
+    g = torch.Generator().manual_seed(4)
+    jobs = [(2 * i, f"r{i}", torch.randint(6, 64, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist(),
+             SamplingParams(max_tokens=int(torch.randint(6, 24, (1,), generator=g)), temperature=0.0 if i % 2 else 0.9,
+                            seed=i)) for i in range(6)]
+    ragged = _run(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8, static_steps="eager"))
+    assert isinstance(engine.runner, StaticTarget)
+    static = _run(engine, jobs)
+    assert engine.runner.replays > 0, "decode steps must have gone through the buckets"
+    for _, rid, _, params in jobs:
+        if params.temperature == 0:
+            assert static[rid] == ragged[rid], rid
+        assert len(static[rid]) == params.max_tokens
