@@ -45,14 +45,15 @@ def _checkpoint_dir(args, cfg) -> Path:
 
 
 def _run_target_drafter(args):
-    """-> (run config, loaded target, drafter from --checkpoint or the run's latest)."""
+    """-> (run config, loaded target, drafter from --checkpoint or the run's latest), on --device."""
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.target import load_target
 
     cfg = _load(args)
-    target = load_target(cfg.target)
+    device = getattr(args, "device", "cpu")
+    target = load_target(cfg.target, device=device)
     drafter, _, _ = load_checkpoint(_checkpoint_dir(args, cfg), target)
-    return cfg, target, drafter
+    return cfg, target, drafter.to(device)
 
 def cmd_prepare_data(args) -> None:
     from dspark.training.data import prepare_data
@@ -122,7 +123,7 @@ def cmd_profile(args) -> None:
     from dspark.training.target import load_target
 
     cfg = _load(args)
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, device=args.device)
     table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
                                repeats=args.repeats)
     ckpt = _checkpoint_dir(args, cfg)
@@ -130,7 +131,7 @@ def cmd_profile(args) -> None:
         from dspark.engine.bench import profile_draft_cost
         from dspark.training.checkpoint import load_checkpoint
 
-        drafter, _, _ = load_checkpoint(ckpt, target)
+        drafter = load_checkpoint(ckpt, target)[0].to(args.device)
         rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r * (cfg.target.block_size + 1) <= args.max_tokens] or [1]
         table.draft_requests = rows
         table.draft_seconds = profile_draft_cost(drafter, rows, context=args.context, repeats=args.repeats)
@@ -237,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
     p.add_argument("--checkpoint", help="drafter whose pass is timed too (default: <run>/checkpoints/last if present)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: profile where you serve")
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("calibrate", help="fit STS temperatures on held-out data")
     _common(p)
@@ -252,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompts-per-task", type=int, default=4)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (CUDA graphs on a GPU; not run in this project)")
     p.add_argument("--requests-per-slot", type=float, default=2.0,
                    help="requests per batch slot (in-flight refills); each batch size runs max(ceil(this x batch), 4)")
     p.add_argument("--output-dir", default="docs/benchmarks")

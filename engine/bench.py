@@ -105,8 +105,9 @@ def run_hf_generate(target, prompts: list[list[int]], max_tokens: int, batch: in
     for s in range(0, len(prompts), batch):
         chunk = prompts[s:s + batch]
         w = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk])
-        attn = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk])
+        dev = next(target.model.parameters()).device
+        ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk], device=dev)
+        attn = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], device=dev)
         kw = {"prompt_lookup_num_tokens": 7} if prompt_lookup else {}
         t1 = time.perf_counter()
         out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -170,8 +171,14 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
         for r in range(rows):
             runner.set_length(r, context)
         runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
-    return profile_sps(step, counts, warmup=1, repeats=repeats, device=str(runner.device),
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+    return profile_sps(step, counts, warmup=1, repeats=repeats, sync=sync, device=str(runner.device),
                        engine=f"dspark TargetRunner {target.profile.name} ctx={context}", allow_flat=allow_flat)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int = 3) -> list[float]:
@@ -192,11 +199,13 @@ def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats
             runner.append([(slot, aux, torch.full((context,), 7))])
         anchors = torch.full((R,), 7, device=p.device)
         temps = torch.zeros(R, device=p.device)
-        runner.propose(list(range(R)), anchors, temps, gen)  # warm-up
+        runner.propose(list(range(R)), anchors, temps)  # warm-up
         times = []
         for _ in range(repeats):
+            _sync(p.device)
             t0 = time.perf_counter()
-            runner.propose(list(range(R)), anchors, temps, gen)
+            runner.propose(list(range(R)), anchors, temps)
+            _sync(p.device)
             times.append(time.perf_counter() - t0)
         seconds.append(statistics.median(times))
     return seconds

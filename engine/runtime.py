@@ -119,7 +119,7 @@ class SpecEngine:
         self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
         self.verify = _verify_fn()
         self.device = self.runner.device
-        self._gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
+        self._gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)  # the drafter samples on its device
         self._queue: deque[_Request] = deque()
         self._active: list[_Request] = []
         self._lock = threading.Lock()
