@@ -74,6 +74,10 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     anchor: int | None = None
     pending_aux: torch.Tensor | None = None  # features of committed positions awaiting their next token
+    # (features, next tokens) of committed positions not yet in the drafter's cache: it reads
+    # them only when it drafts, so steps the gate skips (and prefill) leave them here
+    ctx_backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    backlog_tokens: int = 0
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -252,7 +256,6 @@ class SpecEngine:
         toks = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
         out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None,
                                   last_logits_only=True)
-        appends = []
         done = []
         for i, (r, t) in enumerate(zip(reqs, toks)):
             n = len(t)
@@ -264,25 +267,41 @@ class SpecEngine:
                     aux = torch.cat([r.pending_aux, aux])
                 # every position but the last knows its next token already
                 nxt = torch.tensor(r.prompt[r.prefilled - aux.shape[0] + 1:r.prefilled])
-                appends.append((r.slot, aux[:-1], nxt))
+                self._to_backlog(r, aux[:-1], nxt)
                 r.pending_aux = aux[-1:]
             if r.prefilled == len(r.prompt):
                 done.append((i, r, n))
-        if self.draft_runner is not None:
-            self.draft_runner.append(appends)
         if not done:
             return
         logits = torch.stack([out.logits[i, 0] for i, _, _ in done])
         first = self._sample_first([r for _, r, _ in done], logits)
-        appends = []
         for (i, r, n), tok in zip(done, first):
             r.anchor = tok
             if self.drafter is not None:
-                appends.append((r.slot, r.pending_aux, torch.tensor([tok])))
+                self._to_backlog(r, r.pending_aux, torch.tensor([tok]))
                 r.pending_aux = None
             self._emit(r, [tok])
-        if self.draft_runner is not None:
-            self.draft_runner.append(appends)
+
+    MAX_BACKLOG_TOKENS = 256  # bounds the memory of features held for a drafter that is not drafting
+
+    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        r.ctx_backlog.append((aux, next_tokens))
+        r.backlog_tokens += aux.shape[0]
+        if r.backlog_tokens >= self.MAX_BACKLOG_TOKENS:
+            self._flush_draft_context([r])
+
+    def _flush_draft_context(self, reqs: list[_Request]) -> None:
+        """Bring the drafter's cache up to date for ``reqs`` (one batched append of their backlogs)."""
+        rows = []
+        for r in reqs:
+            if r.ctx_backlog:
+                aux = torch.cat([a for a, _ in r.ctx_backlog])
+                nxt = torch.cat([t for _, t in r.ctx_backlog])
+                rows.append((r.slot, aux, nxt))
+                r.ctx_backlog.clear()
+                r.backlog_tokens = 0
+        if rows:
+            self.draft_runner.append(rows)
 
     def _sample_first(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
         temp = torch.tensor([r.params.temperature for r in reqs])
@@ -309,6 +328,7 @@ class SpecEngine:
         temps = torch.tensor([r.params.temperature for r in reqs])
         drafting = self.draft_runner is not None and self.K > 0 and (self.gate is None or self.gate.should_draft(R))
         if drafting:
+            self._flush_draft_context(reqs)
             prop = self.draft_runner.propose(slots, anchors, temps.to(self.device), self._gen)
             conf_logits = prop.conf_logits
             if conf_logits is not None:
@@ -345,7 +365,6 @@ class SpecEngine:
         if drafting and self.gate is not None:
             self.gate.observe(R, int(lens.sum()), sum(n_acc))
         emitted = res.output_tokens.cpu()
-        appends = []
         self.stats["rounds"] += 1
         self.stats["batch_size_sum"] += R
         for i, r in enumerate(reqs):
@@ -364,11 +383,9 @@ class SpecEngine:
             if self.cfg.record_rounds:
                 self.rounds.append(RoundRecord(r.rid, l_, n, None if conf_logits is None else conf_logits[i].float().cpu().tolist()))
             if self.drafter is not None:
-                appends.append((r.slot, out.aux[i, : n + 1].float().cpu(), torch.tensor(new)))
+                self._to_backlog(r, out.aux[i, : n + 1].float().cpu(), torch.tensor(new))
             r.anchor = new[-1]
             self._emit(r, new)
-        if self.draft_runner is not None:
-            self.draft_runner.append(appends)
 
     # -- output ---------------------------------------------------------------------------------------
     def _emit(self, r: _Request, tokens: list[int]) -> None:
