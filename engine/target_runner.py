@@ -111,22 +111,27 @@ class TargetRunner:
         wpos = pos[q_valid]
         ids, pos_d = ids.to(self.device), pos.to(self.device)
 
-        dec = self.target.decoder
-        h = dec.embed_tokens(ids)
-        cos, sin = dec.rotary_emb(h, pos_d)
-        captured = []
-        for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total)
-            if need_features and li in self.layer_ids:
-                captured.append((li, h))
-        last = dec.norm(h)
+        last, aux = self._stack(ids, pos_d, mask, rows, wpos, q_valid, R, total, need_features)
         if last_logits_only:
             logits = self.target.lm_head(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
         else:
             logits = self.target.lm_head(last)
-        aux = torch.cat([c for _, c in sorted(captured, key=lambda x: self.layer_ids.index(x[0]))], dim=-1) \
-            if need_features else last.new_zeros(R, Q, 0)
         return RaggedOutput(logits=logits, aux=aux, last=last)
+
+    def _stack(self, ids, pos, mask, rows, wpos, q_valid, R, total, need_features):
+        """Embedding -> decoder layers (writing the cache) -> final norm; -> (last [R,Q,d], aux [R,Q,m*d])."""
+        dec = self.target.decoder
+        h = dec.embed_tokens(ids)
+        cos, sin = dec.rotary_emb(h, pos)
+        captured = {}
+        for li, layer in enumerate(self.layers):
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total)
+            if need_features and li in self.layer_ids:
+                captured[li] = h
+        last = dec.norm(h)
+        aux = torch.cat([captured[li] for li in self.layer_ids], dim=-1) if need_features \
+            else last.new_zeros(*last.shape[:2], 0)
+        return last, aux
 
     @torch.no_grad()
     def forward_static(self, ids: torch.Tensor, start: torch.Tensor) -> RaggedOutput:
@@ -144,16 +149,7 @@ class TargetRunner:
         wpos = pos.clamp(max=C - 1)
         rows = torch.arange(Rb, device=ids.device).unsqueeze(1).expand(Rb, Q)
         mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
-        dec = self.target.decoder
-        h = dec.embed_tokens(ids)
-        cos, sin = dec.rotary_emb(h, pos)
-        captured = []
-        for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, None, Rb, C)
-            if li in self.layer_ids:
-                captured.append((li, h))
-        last = dec.norm(h)
-        aux = torch.cat([c for _, c in sorted(captured, key=lambda x: self.layer_ids.index(x[0]))], dim=-1)
+        last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True)
         return RaggedOutput(logits=self.target.lm_head(last), aux=aux, last=last)
 
     def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total):
