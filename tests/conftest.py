@@ -42,6 +42,16 @@ def make_tiny_target(model_type: str = "llama", seed: int = 0) -> Target:
     return Target(model.float(), _TinyTokenizer(), profile)
 
 
+def run_to_completion(engine, jobs) -> dict[str, list[int]]:
+    """Submit ``jobs`` [(request id, prompt ids, SamplingParams)] at once, run the engine dry;
+    -> request id -> emitted token ids."""
+    outs: dict[str, list[int]] = {}
+    for rid, prompt, params in jobs:
+        engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
+    engine.run_until_done()
+    return outs
+
+
 def tiny_run_config(algo: str = "dspark") -> RunConfig:
     cfg = load_run_config(None, [f"algo={algo}"])
     cfg.target = TargetProfile(name="tiny", family="llama", source=None, layer_ids=[0, 1, 2], mask_token_id=5,

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .jsonfile import read_json_file
-from .models import DrafterConfig
+from .models import DrafterConfig, build_drafter
 
 CKPT_FORMAT = "dspark-drafter"
 CKPT_VERSION = 1
@@ -78,8 +78,6 @@ def check_target(meta: dict, identity: dict, where: str) -> None:
 
 def load_checkpoint(path: Path, target) -> tuple[nn.Module, DrafterConfig, dict]:
     """Build the drafter for ``target`` from a checkpoint directory; validates everything."""
-    from .models import build_drafter
-
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target.identity(), str(path))
@@ -94,15 +92,23 @@ def load_checkpoint(path: Path, target) -> tuple[nn.Module, DrafterConfig, dict]
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{weights}: unreadable or truncated safetensors file ({exc})") from None
+    model = drafter_for_state(cfg, target, state, str(weights), CheckpointError)
+    model.load_state_dict(state)
+    return model.eval(), cfg, meta
+
+
+def drafter_for_state(cfg: DrafterConfig, target, state: dict[str, torch.Tensor], where: str,
+                      error: type[Exception]) -> nn.Module:
+    """A fresh drafter for ``cfg`` after checking that ``state`` has exactly its tensor names
+    and shapes; a mismatch raises ``error`` naming ``where``."""
     model = build_drafter(cfg, target)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
-        raise CheckpointError(f"{weights}: tensor names do not match a {cfg.algo} drafter "
-                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        raise error(f"{where}: tensor names do not match a {cfg.algo} drafter for this target "
+                    f"(missing {missing[:3]}, unexpected {extra[:3]})")
     for k, v in state.items():
         if tuple(v.shape) != tuple(expected[k].shape):
-            raise CheckpointError(f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
-    model.load_state_dict(state)
-    return model.eval(), cfg, meta
+            raise error(f"{where}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
+    return model

@@ -19,8 +19,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from dspark.training.checkpoint import drafter_for_state
 from dspark.training.jsonfile import read_json_file
-from dspark.training.models import DrafterConfig, build_drafter
+from dspark.training.models import DrafterConfig
 
 from .hf_export import FROZEN, rename_tensor
 
@@ -96,15 +97,8 @@ def import_deepspec(path: str | Path, target):
         except (SafetensorError, OSError, ValueError) as exc:
             raise DeepSpecImportError(f"{f}: unreadable or truncated safetensors file ({exc})") from None
     ours, frozen = from_deepspec_state(state)
-    model = build_drafter(cfg, target)
+    model = drafter_for_state(cfg, target, ours, str(path), DeepSpecImportError)
     expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
-    if missing or extra:
-        raise DeepSpecImportError(f"{path}: tensors do not match a {cfg.algo} drafter for this target "
-                                  f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    for k, v in ours.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
-            raise DeepSpecImportError(f"{path}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}")
     info = {"source_dtype": str(next(iter(ours.values())).dtype).replace("torch.", "")}
     for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.lm_head.weight)):
         if name in frozen:

@@ -19,15 +19,7 @@ from dspark.engine.runtime import EngineConfig, SpecEngine  # noqa: E402
 from dspark.engine.static_target import StaticTarget  # noqa: E402
 from dspark.training.models import build_drafter, drafter_config_for  # noqa: E402
 
-from ..conftest import make_tiny_target, tiny_run_config  # noqa: E402
-
-
-def _run(engine, jobs):
-    outs: dict[str, list[int]] = {}
-    for rid, prompt, params in jobs:
-        engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
-    engine.run_until_done()
-    return outs
+from ..conftest import make_tiny_target, run_to_completion, tiny_run_config  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["spec", "target_only"])
@@ -39,8 +31,8 @@ def test_graph_replay_is_token_identical_to_eager_on_the_gpu(mode):
     if mode == "spec":
         drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target).to("cuda")
     jobs = [(f"r{i}", list(range(6 + i, 20 + 3 * i)), SamplingParams(max_tokens=10 + 2 * i)) for i in range(5)]
-    eager = _run(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, static_steps="off")), jobs)
+    eager = run_to_completion(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, static_steps="off")), jobs)
     engine = SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, static_steps="graphs"))
     assert isinstance(engine.runner, StaticTarget) and engine.runner.use_graphs
-    assert _run(engine, jobs) == eager
+    assert run_to_completion(engine, jobs) == eager
     assert engine.runner.replays > 0

@@ -10,7 +10,7 @@ from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.engine.sps import SpsTable
 from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, tiny_run_config
+from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
 
 
 def _table(draft_seconds: float, verify_slope: float = 0.0) -> SpsTable:
@@ -63,25 +63,17 @@ def test_gate_needs_a_table_with_drafter_cost():
         DraftGate(table, max_tokens=8)
 
 
-def _run(engine, jobs):
-    outs: dict[str, list[int]] = {}
-    for rid, prompt, params in jobs:
-        engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
-    engine.run_until_done()
-    return outs
-
-
 @pytest.mark.parametrize("draft_seconds, verify_slope", [(0.0, 0.0), (10.0, 0.01)])  # free / ruinous drafting
 def test_engine_with_the_gate_stays_token_identical_to_target_only(draft_seconds, verify_slope):
     target = make_tiny_target()
     torch.manual_seed(5)
     drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
     jobs = [(f"r{i}", list(range(7 + i, 20 + 2 * i)), SamplingParams(max_tokens=12 + i)) for i in range(4)]
-    base = _run(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4)), jobs)
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4)), jobs)
     engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=4),
                         sps=_table(draft_seconds, verify_slope))
     assert engine.gate is not None
-    assert _run(engine, jobs) == base
+    assert run_to_completion(engine, jobs) == base
     if draft_seconds > 0:
         assert engine.stats["skipped_draft_steps"] > 0
     else:
