@@ -1,8 +1,14 @@
 """``dspark bench-train``: DSpark vs DFlash vs Eagle3 on the same data and the same budget.
 
-Same self-distilled records, same feature cache, same steps / batch / anchors per
-sequence / learning-rate schedule; then the same batch-1 evaluation on math, code and
-chat at each temperature. Writes ``train_compare.json``, ``.md`` and a plot.
+Same self-distilled records, same feature cache, same batch / anchors per sequence /
+learning-rate schedule; then the same batch-1 evaluation on math, code and chat at each
+temperature. Writes ``train_compare.json``, ``.md`` and a plot.
+
+The budget is either the same step count (``train.steps``) or, with
+``train.budget_seconds``, the same training time on this machine: an Eagle3 step unrolls
+``ttt_steps`` passes over the whole sequence, so at equal steps it gets several times the
+compute of a block drafter. Each drafter's step count is then planned from a timed probe
+and kept in ``<run>/budget.json``, so a rerun resumes the same plan.
 """
 from __future__ import annotations
 
@@ -19,11 +25,11 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
     from .config import load_algo
     from .data import prepare_data
     from .target import load_target
-    from .trainer import train
+    from .trainer import seconds_per_step, train
 
     target = load_target(cfg.target)
     prepare_data(cfg, target)
-    results, timings = [], {}
+    results, timings, plans = [], {}, {}
     for algo in algos:
         c = copy.deepcopy(cfg)
         c.algo = load_algo(algo)
@@ -32,8 +38,11 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
         data_link.parent.mkdir(parents=True, exist_ok=True)
         if not data_link.exists():
             data_link.symlink_to((cfg.run_dir / "data").resolve())
+        if cfg.train.budget_seconds is not None:
+            plans[algo] = plan_steps(c, target, cfg.train.budget_seconds, seconds_per_step)
+            c.train.steps = plans[algo]["steps"]
         last = c.run_dir / "checkpoints" / "last"
-        done_before = last.exists() and read_meta(last).get("step") == cfg.train.steps
+        done_before = last.exists() and read_meta(last).get("step") == c.train.steps
         t0 = time.perf_counter()
         ckpt = train(c, target)
         # a drafter finished by an earlier call is only evaluated: its training time is not ours to report
@@ -43,8 +52,11 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
         results += [r for r in evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task,
                                         e.max_new_tokens, e.seed, cfg.data.data_root)]
     print_table(results)
+    steps = {a: p["steps"] for a, p in plans.items()} if plans else cfg.train.steps
     report = {"target": cfg.target.name, "command": command,
-              "budget": {"steps": cfg.train.steps, "batch_size": cfg.train.batch_size,
+              "budget": {"steps": steps, "budget_seconds": cfg.train.budget_seconds,
+                         "probe_seconds_per_step": {a: p["seconds_per_step"] for a, p in plans.items()} or None,
+                         "batch_size": cfg.train.batch_size,
                          "blocks_per_seq": cfg.train.blocks_per_seq, "records": cfg.data.max_prompts,
                          "draft_layers": cfg.target.draft_layers, "block_size": cfg.target.block_size,
                          "train_seconds": timings},
@@ -54,6 +66,23 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
     (out_dir / "train_compare.md").write_text(markdown_table(report))
     plot_comparison(report, out_dir / "train_compare.png")
     return report
+
+
+def plan_steps(cfg, target, budget_seconds: float, probe) -> dict:
+    """Steps that fit ``budget_seconds`` of training for this drafter; planned once per run dir."""
+    path = cfg.run_dir / "budget.json"
+    if path.is_file():
+        plan = json.loads(path.read_text())
+        if plan.get("budget_seconds") == budget_seconds:
+            return plan
+        raise RuntimeError(f"{path} plans {plan.get('budget_seconds')} s, not {budget_seconds} s: "
+                           "use a new run name or delete that run directory")
+    per_step = probe(cfg, target)
+    plan = {"budget_seconds": budget_seconds, "seconds_per_step": per_step,
+            "steps": max(cfg.train.warmup_steps + 1, int(budget_seconds / per_step))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2))
+    return plan
 
 
 def markdown_table(report: dict) -> str:

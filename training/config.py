@@ -70,6 +70,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
+    # bench-train only: give each drafter this much training time on this machine instead of
+    # the same step count (its steps come from a timed probe; see compare.py)
+    budget_seconds: float | None = None
     batch_size: int = 8
     blocks_per_seq: int = 16
     lr: float = 1e-3
@@ -135,6 +138,8 @@ def _read_yaml(kind: str, name_or_path: str) -> dict[str, Any]:
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
     ann = str(annotation)
+    if value is None and "None" in ann:
+        return None
     if ann.startswith("bool"):
         if isinstance(value, bool):
             return value
@@ -152,8 +157,6 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return value
     if ann.startswith("str"):
-        if value is None and "None" in ann:
-            return None
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value

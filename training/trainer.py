@@ -139,6 +139,62 @@ class _TrainForward(nn.Module):
         return self.drafter.forward_train(*args)
 
 
+def _optimizer(params: list[nn.Parameter], cfg: RunConfig):
+    """AdamW with linear warmup then cosine decay over ``cfg.train.steps``."""
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio))
+    return opt, sched
+
+
+def _optimize(model, drafter, params, opt, sched, batch: Batch, cfg: RunConfig, gen: torch.Generator,
+              step_fn, autocast) -> tuple[LossTerms, torch.Tensor]:
+    """One optimizer step: loss, backward, clip, update. Returns the loss terms and the grad norm."""
+    with autocast:
+        terms = step_fn(model, drafter, batch, cfg, gen)
+    opt.zero_grad(set_to_none=True)
+    terms.total.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+    opt.step()
+    sched.step()
+    return terms, gnorm
+
+
+def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 3) -> float:
+    """Time this run's optimizer step on this machine: a throwaway drafter, one warm-up step,
+    then the median of ``probe_steps`` timed steps. Used to give drafters equal training time."""
+    import statistics
+    import time
+
+    device = resolve_device(cfg.train.device)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    records = read_records(cfg.run_dir / "data" / "records.jsonl")
+    if not records:
+        raise RuntimeError(f"no training records in {cfg.run_dir / 'data'}: run `dspark prepare-data` first")
+    cache = None
+    if cfg.data.features == "cache":
+        cache = FeatureCache(cfg.run_dir / "data" / "features", expect_target=target.identity())
+    drafter = build_drafter(drafter_config_for(cfg, target), target).to(device=device)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt, sched = _optimizer(params, cfg)
+    step_fn = eagle_step if drafter.cfg.algo == "eagle3" else block_step
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
+    batches = iterate_batches(n_train, cfg.train.batch_size, cfg.train.seed)
+    model = _TrainForward(drafter)
+    times = []
+    for step in range(probe_steps + 1):
+        t0 = time.perf_counter()
+        batch = collate(records, next(batches), target, cache, device)
+        gen = torch.Generator().manual_seed(step)
+        _optimize(model, drafter, params, opt, sched, batch, cfg, gen, step_fn, autocast)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def _setup_distributed() -> tuple[int, int]:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -197,10 +253,8 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
             from torch.nn.parallel import DistributedDataParallel as DDP
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
     total = cfg.train.steps
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.train.warmup_steps, total, cfg.train.min_lr_ratio))
+    opt, sched = _optimizer(params, cfg)
     if train_state is not None:
         opt.load_state_dict(train_state["optimizer"])
         sched.load_state_dict(train_state["scheduler"])
@@ -221,13 +275,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         idx = idx[rank::world] or idx[:1]
         batch = collate(records, idx, target, cache, device)
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        with autocast:
-            terms = step_fn(model, drafter, batch, cfg, gen)
-        opt.zero_grad(set_to_none=True)
-        terms.total.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-        opt.step()
-        sched.step()
+        terms, gnorm = _optimize(model, drafter, params, opt, sched, batch, cfg, gen, step_fn, autocast)
         if writer is not None and (step % cfg.train.log_every == 0 or step == total - 1):
             writer.add_scalar("loss/total", terms.total.item(), step)
             writer.add_scalar("loss/ce", terms.ce.item(), step)

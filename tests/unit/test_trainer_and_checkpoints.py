@@ -114,3 +114,36 @@ def test_config_rejects_unknown_keys_and_wrong_types():
 def test_every_bundled_target_profile_resolves(name):
     cfg = load_run_config("quickstart", [f"target={name}"])
     assert cfg.target.name == name and cfg.target.layer_ids
+
+
+def test_equal_time_budget_plans_steps_once_per_run(tmp_path):
+    from dspark.training.compare import plan_steps
+    cfg = _cfg(tmp_path, "dspark", "budget", 6, 6)
+    plan = plan_steps(cfg, None, 120.0, lambda c, t: 0.5)
+    assert plan == {"budget_seconds": 120.0, "seconds_per_step": 0.5, "steps": 240}
+
+    def must_not_probe(c, t):
+        raise AssertionError("a planned run is not probed again")
+    assert plan_steps(cfg, None, 120.0, must_not_probe)["steps"] == 240  # a rerun resumes the same plan
+    with pytest.raises(RuntimeError, match="plans 120.0 s, not 60.0 s"):
+        plan_steps(cfg, None, 60.0, must_not_probe)
+    assert plan_steps(_cfg(tmp_path, "dspark", "slow", 6, 6), None, 1.0, lambda c, t: 10.0)["steps"] == 3  # > warmup
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_step_probe_times_a_real_optimizer_step_without_touching_the_run(tmp_path, algo):
+    from dspark.training.trainer import seconds_per_step
+    cfg = _cfg(tmp_path, algo, "probe", 6, 6)
+    data = cfg.run_dir / "data"
+    data.mkdir(parents=True)
+    (data / "records.jsonl").write_text("".join(
+        json.dumps({"prompt_ids": r.prompt_ids, "answer_ids": r.answer_ids}) + "\n" for r in _records()))
+    assert seconds_per_step(cfg, make_tiny_target(), probe_steps=2) > 0
+    assert not (cfg.run_dir / "checkpoints").exists()
+
+
+def test_optional_number_config_accepts_null():
+    assert load_run_config("quickstart", ["train.budget_seconds=600"]).train.budget_seconds == 600.0
+    assert load_run_config("quickstart", ["train.budget_seconds=null"]).train.budget_seconds is None
+    with pytest.raises(ConfigError, match="train.budget_seconds: expected a number"):
+        load_run_config("quickstart", ["train.budget_seconds=soon"])
