@@ -92,3 +92,20 @@ def test_accept_len_counts_the_bonus_token_and_rate_at_k_is_conditional():
     assert rates[0] == pytest.approx(2 / 3)  # 2 of 3 rounds accept draft 1
     assert rates[1] == pytest.approx(1 / 2)  # of the 2 that reached draft 2, one accepts it
     assert rates[2] == pytest.approx(0.0)
+
+
+def test_draft_draw_takes_the_argmax_for_greedy_rows_and_samples_the_others():
+    from dspark.training.models.block_drafter import draft_distribution, draw
+    logits = torch.tensor([[0.0, 1.0, 0.5, -1.0]]).repeat(3, 1)
+    temperature = torch.tensor([0.0, 1.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    probs = draft_distribution(logits, temperature)
+    n = 20000
+    counts = torch.zeros(4)
+    for _ in range(n // 100):
+        xs = torch.stack([draw(probs, logits, temperature, gen) for _ in range(100)])  # [100, 3]
+        assert (xs[:, 0] == 1).all() and (xs[:, 2] == 1).all()  # greedy rows: argmax, no draw
+        counts += torch.bincount(xs[:, 1], minlength=4).float()
+    expected = torch.softmax(logits[1], -1) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001

@@ -153,6 +153,20 @@ def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch
     return torch.where(t > 0, probs, onehot)
 
 
+def draw(probs: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """One draft token per row of ``draft_distribution(logits, temperature)``: the argmax for greedy
+    rows (their distribution is one-hot), a multinomial draw for the sampled rows only (a draw
+    over the vocabulary costs as much as the Markov bias on CPU, wasted on a one-hot)."""
+    sampled = temperature > 0
+    if bool(sampled.all()):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    x = logits.argmax(-1)
+    if bool(sampled.any()):
+        x[sampled] = torch.multinomial(probs[sampled], 1, generator=generator).squeeze(-1)
+    return x
+
+
 def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                       temperature: torch.Tensor, generator: torch.Generator | None) -> Proposal:
     """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}]))."""
@@ -174,7 +188,7 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
         if confs is not None:
             confs.append(model.confidence(hidden[:, k], emb))
         p = draft_distribution(logits, temperature)
-        x = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        x = draw(p, logits, temperature, generator)
         tokens[:, k] = x
         probs[:, k] = p
         prev = x

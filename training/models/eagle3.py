@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .block_drafter import DrafterConfig, Proposal, draft_distribution
+from .block_drafter import DrafterConfig, Proposal, draft_distribution, draw
 from .layers import TargetTiedDrafter
 
 
@@ -95,8 +95,9 @@ class Eagle3Drafter(TargetTiedDrafter):
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            p = draft_distribution(self.lm_head(self.norm(h)).float(), temperature)
-            x = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+            logits = self.lm_head(self.norm(h)).float()
+            p = draft_distribution(logits, temperature)
+            x = draw(p, logits, temperature, generator)
             tokens[:, k], probs[:, k] = x, p
             if k == K - 1:
                 break
