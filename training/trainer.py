@@ -139,6 +139,18 @@ class _TrainForward(nn.Module):
         return self.drafter.forward_train(*args)
 
 
+def _training_data(cfg: RunConfig, target, records: list[Record] | None = None
+                   ) -> tuple[list[Record], int, FeatureCache | None]:
+    """The run's records (all but the held-out tail are trained on) and its feature cache, if any."""
+    data_dir = cfg.run_dir / "data"
+    records = records if records is not None else read_records(data_dir / "records.jsonl")
+    if not records:
+        raise RuntimeError(f"no training records in {data_dir}: run `dspark prepare-data` first")
+    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
+    cache = FeatureCache(data_dir / "features", expect_target=target.identity()) if cfg.data.features == "cache" else None
+    return records, n_train, cache
+
+
 def _optimizer(params: list[nn.Parameter], cfg: RunConfig):
     """AdamW with linear warmup then cosine decay over ``cfg.train.steps``."""
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
@@ -168,19 +180,13 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 3) -> float:
 
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.train.dtype, device)
-    records = read_records(cfg.run_dir / "data" / "records.jsonl")
-    if not records:
-        raise RuntimeError(f"no training records in {cfg.run_dir / 'data'}: run `dspark prepare-data` first")
-    cache = None
-    if cfg.data.features == "cache":
-        cache = FeatureCache(cfg.run_dir / "data" / "features", expect_target=target.identity())
+    records, n_train, cache = _training_data(cfg, target)
     drafter = build_drafter(drafter_config_for(cfg, target), target).to(device=device)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt, sched = _optimizer(params, cfg)
     step_fn = eagle_step if drafter.cfg.algo == "eagle3" else block_step
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
     batches = iterate_batches(n_train, cfg.train.batch_size, cfg.train.seed)
     model = _TrainForward(drafter)
     times = []
@@ -220,13 +226,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
     torch.manual_seed(cfg.train.seed)
     target = target or load_target(cfg.target, device=device)
     run_dir = cfg.run_dir
-    records = records if records is not None else read_records(run_dir / "data" / "records.jsonl")
-    if not records:
-        raise RuntimeError(f"no training records in {run_dir / 'data'}: run `dspark prepare-data` first")
-    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
-    cache = None
-    if cfg.data.features == "cache":
-        cache = FeatureCache(run_dir / "data" / "features", expect_target=target.identity())
+    records, n_train, cache = _training_data(cfg, target, records)
 
     dcfg = drafter_config_for(cfg, target)
     ckpt_dir = run_dir / "checkpoints"
