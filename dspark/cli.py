@@ -114,7 +114,11 @@ def cmd_bench_train(args) -> None:
     from dspark.training.compare import run_comparison
 
     cfg = _load(args)
-    run_comparison(cfg, Path(args.output_dir), " ".join(sys.argv))
+    algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
+    unknown = sorted(set(algos) - {"dspark", "dflash", "eagle3"})
+    if unknown or not algos:
+        raise SystemExit(f"--algos: expected a comma list of dspark, dflash, eagle3; got {args.algos!r}")
+    run_comparison(cfg, Path(args.output_dir), " ".join(sys.argv), algos)
 
 
 def cmd_profile(args) -> None:
@@ -230,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-train", help="train and compare DSpark, DFlash and Eagle3 on one budget")
     _common(p)
     p.add_argument("--output-dir", default="docs/benchmarks")
+    p.add_argument("--algos", default="dspark,dflash,eagle3", help="comma list of the drafters to train and compare")
     p.set_defaults(fn=cmd_bench_train)
     p = sub.add_parser("profile", help="profile the target's steps/s against verify-step tokens (SPS table)")
     _common(p)
