@@ -147,3 +147,10 @@ def test_optional_number_config_accepts_null():
     assert load_run_config("quickstart", ["train.budget_seconds=null"]).train.budget_seconds is None
     with pytest.raises(ConfigError, match="train.budget_seconds: expected a number"):
         load_run_config("quickstart", ["train.budget_seconds=soon"])
+
+
+def test_bench_train_refuses_an_unknown_drafter_before_any_work(tmp_path):
+    from dspark.cli import main
+    with pytest.raises(SystemExit, match="--algos: expected a comma list of dspark, dflash, eagle3; got 'dspark,medusa'"):
+        main(["bench-train", "--algos", "dspark,medusa", f"output_root={tmp_path}", "--output-dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
