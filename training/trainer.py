@@ -172,9 +172,10 @@ def _optimize(model, drafter, params, opt, sched, batch: Batch, cfg: RunConfig, 
     return terms, gnorm
 
 
-def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 3) -> float:
+def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
     """Time this run's optimizer step on this machine: a throwaway drafter, one warm-up step,
-    then the median of ``probe_steps`` timed steps. Used to give drafters equal training time."""
+    then the median of ``probe_steps`` timed steps. Used to give drafters equal training time;
+    other work on the machine during the probe skews the plan (the report keeps real times)."""
     import statistics
     import time
 
