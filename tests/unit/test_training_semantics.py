@@ -103,7 +103,7 @@ def test_draft_draw_takes_the_argmax_for_greedy_rows_and_samples_the_others():
     n = 20000
     counts = torch.zeros(4)
     for _ in range(n // 100):
-        xs = torch.stack([draw(probs, logits, temperature, gen) for _ in range(100)])  # [100, 3]
+        xs = torch.stack([draw(probs, temperature, gen) for _ in range(100)])  # [100, 3]
         assert (xs[:, 0] == 1).all() and (xs[:, 2] == 1).all()  # greedy rows: argmax, no draw
         counts += torch.bincount(xs[:, 1], minlength=4).float()
     expected = torch.softmax(logits[1], -1) * n

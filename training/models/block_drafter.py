@@ -153,15 +153,14 @@ def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch
     return torch.where(t > 0, probs, onehot)
 
 
-def draw(probs: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
-         generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draft token per row of ``draft_distribution(logits, temperature)``: the argmax for greedy
     rows (their distribution is one-hot), a multinomial draw for the sampled rows only (a draw
     over the vocabulary costs as much as the Markov bias on CPU, wasted on a one-hot)."""
     sampled = temperature > 0
     if bool(sampled.all()):
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    x = logits.argmax(-1)
+    x = probs.argmax(-1)  # greedy rows are one-hot at the logits' argmax
     if bool(sampled.any()):
         x[sampled] = torch.multinomial(probs[sampled], 1, generator=generator).squeeze(-1)
     return x
@@ -188,7 +187,7 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
         if confs is not None:
             confs.append(model.confidence(hidden[:, k], emb))
         p = draft_distribution(logits, temperature)
-        x = draw(p, logits, temperature, generator)
+        x = draw(p, temperature, generator)
         tokens[:, k] = x
         probs[:, k] = p
         prev = x

@@ -95,9 +95,8 @@ class Eagle3Drafter(TargetTiedDrafter):
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            logits = self.lm_head(self.norm(h)).float()
-            p = draft_distribution(logits, temperature)
-            x = draw(p, logits, temperature, generator)
+            p = draft_distribution(self.lm_head(self.norm(h)).float(), temperature)
+            x = draw(p, temperature, generator)
             tokens[:, k], probs[:, k] = x, p
             if k == K - 1:
                 break
