@@ -83,6 +83,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     log_every: int = 10
+    eval_every: int = 0  # steps between held-out acceptance estimates in TensorBoard (0 = never)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"
     distributed: str = "ddp"  # ddp | fsdp (used under torchrun)
@@ -149,6 +150,11 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if ann.startswith("float"):
+        if isinstance(value, str):  # YAML 1.1 reads `3e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

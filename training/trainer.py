@@ -159,6 +159,12 @@ def _optimizer(params: list[nn.Parameter], cfg: RunConfig):
     return opt, sched
 
 
+def _step_kind(algo: str, device: torch.device, dtype: torch.dtype):
+    """The drafter's loss step and the autocast context its forward runs in (off in float32)."""
+    step_fn = eagle_step if algo == "eagle3" else block_step
+    return step_fn, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def _optimize(model, drafter, params, opt, sched, batch: Batch, cfg: RunConfig, gen: torch.Generator,
               step_fn, autocast) -> tuple[LossTerms, torch.Tensor]:
     """One optimizer step: loss, backward, clip, update. Returns the loss terms and the grad norm."""
@@ -170,6 +176,40 @@ def _optimize(model, drafter, params, opt, sched, batch: Batch, cfg: RunConfig, 
     opt.step()
     sched.step()
     return terms, gnorm
+
+
+@torch.no_grad()
+def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record], holdout: range, target,
+                      cache: FeatureCache | None, cfg: RunConfig, device: torch.device, step_fn, autocast
+                      ) -> dict[str, float | list[float]] | None:
+    """Teacher-forced acceptance estimates on the held-out records, per draft position.
+
+    ``top1``: agreement of the drafter's argmax with the target's (the greedy acceptance rate);
+    ``accept_est``: mean ``c*`` (the T=1 acceptance rate); ``accept_len_est``:
+    ``1 + sum_k prod_{i<=k} accept_est_i``. Anchors are seeded per batch, so evaluations at
+    different steps see the same blocks; the training RNG is not touched. None if nothing is
+    held out. Every rank must call it (FSDP's forward is collective).
+    """
+    if len(holdout) == 0:
+        return None
+    bs = cfg.train.batch_size
+    top1 = est = None
+    n = 0
+    drafter.eval()
+    try:
+        for j in range(0, len(holdout), bs):
+            idx = list(holdout[j:j + bs])
+            batch = collate(records, idx, target, cache, device)
+            with autocast:
+                terms = step_fn(model, drafter, batch, cfg, torch.Generator().manual_seed(j))
+            t, e = terms.top1_match.float().cpu() * len(idx), terms.accept_est.float().cpu() * len(idx)
+            top1, est = (t, e) if top1 is None else (top1 + t, est + e)
+            n += len(idx)
+    finally:
+        drafter.train()
+    top1, est = top1 / n, est / n
+    return {"top1": top1.tolist(), "accept_est": est.tolist(),
+            "accept_len_est": 1.0 + float(torch.cumprod(est, 0).sum())}
 
 
 def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
@@ -186,8 +226,7 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt, sched = _optimizer(params, cfg)
-    step_fn = eagle_step if drafter.cfg.algo == "eagle3" else block_step
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    step_fn, autocast = _step_kind(drafter.cfg.algo, device, dtype)
     batches = iterate_batches(n_train, cfg.train.batch_size, cfg.train.seed)
     model = _TrainForward(drafter)
     times = []
@@ -261,11 +300,10 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         sched.load_state_dict(train_state["scheduler"])
 
     writer = SummaryWriter(str(run_dir / "tb")) if rank == 0 else None
-    step_fn = eagle_step if dcfg.algo == "eagle3" else block_step
+    step_fn, autocast = _step_kind(dcfg.algo, device, dtype)
     batches = iterate_batches(n_train, cfg.train.batch_size * world, cfg.train.seed, start_step)
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc=f"train {dcfg.algo}",
                disable=not progress or rank != 0, unit="step")
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for step in bar:
         if stop_after is not None and step - start_step >= stop_after:
             if rank == 0:
@@ -289,6 +327,16 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
                 writer.add_scalar(f"top1_match/pos{k}", t, step)
             bar.set_postfix(loss=f"{terms.total.item():.3f}", acc1=f"{terms.accept_est[0].item():.2f}")
         done = step + 1
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == total):
+            val = heldout_estimates(model, drafter, records, range(n_train, len(records)), target, cache, cfg,
+                                    device, step_fn, autocast)
+            if writer is not None and val is not None:
+                writer.add_scalar("val/accept_len_est", val["accept_len_est"], done)
+                for k, (a, t) in enumerate(zip(val["accept_est"], val["top1"]), start=1):
+                    writer.add_scalar(f"val/accept_est/pos{k}", a, done)
+                    writer.add_scalar(f"val/top1_match/pos{k}", t, done)
+                log.info("step %d: held-out accept_len_est %.3f, top1 by position %s", done,
+                         val["accept_len_est"], " ".join(f"{t:.2f}" for t in val["top1"]))
         if rank == 0 and (done % cfg.train.save_every == 0 or done == total):
             save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), done,
                             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})

@@ -46,6 +46,24 @@ def test_resuming_after_interruption_gives_the_same_weights(tmp_path, algo):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k} differs after resume")
 
 
+def test_heldout_estimates_are_logged_without_changing_the_training(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    target, records = make_tiny_target(), _records()
+    plain = train(_cfg(tmp_path, "dspark", "plain", 4, 4), target, records, progress=False)
+    cfg = _cfg(tmp_path, "dspark", "val", 4, 4)
+    cfg.train.eval_every = 2
+    watched = train(cfg, target, records, progress=False)
+    a, b = load_file(str(plain / "model.safetensors")), load_file(str(watched / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k}: evaluating changed the training")
+    ea = EventAccumulator(str(cfg.run_dir / "tb"))
+    ea.Reload()
+    est = [e.value for e in ea.Scalars("val/accept_len_est")]
+    assert [e.step for e in ea.Scalars("val/accept_len_est")] == [2, 4]
+    assert all(1.0 <= v <= 1.0 + cfg.target.block_size for v in est)
+    assert 0.0 <= ea.Scalars("val/top1_match/pos1")[-1].value <= 1.0
+
+
 def test_training_reduces_the_loss(tmp_path):
     target, records = make_tiny_target(), _records(6)
     cfg = _cfg(tmp_path, "dspark", "fit", 40, 40)
@@ -147,6 +165,11 @@ def test_optional_number_config_accepts_null():
     assert load_run_config("quickstart", ["train.budget_seconds=null"]).train.budget_seconds is None
     with pytest.raises(ConfigError, match="train.budget_seconds: expected a number"):
         load_run_config("quickstart", ["train.budget_seconds=soon"])
+
+
+def test_float_config_accepts_exponent_without_a_dot():
+    # YAML 1.1 reads `3e-3` as a string; a learning rate written that way must still work
+    assert load_run_config("quickstart", ["train.lr=3e-3"]).train.lr == pytest.approx(0.003)
 
 
 def test_bench_train_refuses_an_unknown_drafter_before_any_work(tmp_path):
