@@ -241,6 +241,26 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def _log_step(writer, step: int, terms: LossTerms, lr: float, gnorm: float) -> None:
+    """A training batch's loss terms and per-position estimates (noisy: one small batch)."""
+    for name in ("total", "ce", "l1", "conf"):
+        writer.add_scalar(f"loss/{name}", getattr(terms, name).item(), step)
+    writer.add_scalar("train/lr", lr, step)
+    writer.add_scalar("train/grad_norm", gnorm, step)
+    for k, (a, t) in enumerate(zip(terms.accept_est.tolist(), terms.top1_match.tolist()), start=1):
+        writer.add_scalar(f"accept_est/pos{k}", a, step)
+        writer.add_scalar(f"top1_match/pos{k}", t, step)
+
+
+def _log_heldout(writer, step: int, val: dict) -> None:
+    writer.add_scalar("val/accept_len_est", val["accept_len_est"], step)
+    for k, (a, t) in enumerate(zip(val["accept_est"], val["top1"]), start=1):
+        writer.add_scalar(f"val/accept_est/pos{k}", a, step)
+        writer.add_scalar(f"val/top1_match/pos{k}", t, step)
+    log.info("step %d: held-out accept_len_est %.3f, top1 by position %s", step,
+             val["accept_len_est"], " ".join(f"{t:.2f}" for t in val["top1"]))
+
+
 def _setup_distributed() -> tuple[int, int]:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -304,6 +324,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
     batches = iterate_batches(n_train, cfg.train.batch_size * world, cfg.train.seed, start_step)
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc=f"train {dcfg.algo}",
                disable=not progress or rank != 0, unit="step")
+    val = None  # the latest held-out estimates (train.eval_every), shown on the progress bar
     for step in bar:
         if stop_after is not None and step - start_step >= stop_after:
             if rank == 0:
@@ -316,27 +337,17 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
         terms, gnorm = _optimize(model, drafter, params, opt, sched, batch, cfg, gen, step_fn, autocast)
         if writer is not None and (step % cfg.train.log_every == 0 or step == total - 1):
-            writer.add_scalar("loss/total", terms.total.item(), step)
-            writer.add_scalar("loss/ce", terms.ce.item(), step)
-            writer.add_scalar("loss/l1", terms.l1.item(), step)
-            writer.add_scalar("loss/conf", terms.conf.item(), step)
-            writer.add_scalar("train/lr", sched.get_last_lr()[0], step)
-            writer.add_scalar("train/grad_norm", float(gnorm), step)
-            for k, (a, t) in enumerate(zip(terms.accept_est.tolist(), terms.top1_match.tolist()), start=1):
-                writer.add_scalar(f"accept_est/pos{k}", a, step)
-                writer.add_scalar(f"top1_match/pos{k}", t, step)
-            bar.set_postfix(loss=f"{terms.total.item():.3f}", acc1=f"{terms.accept_est[0].item():.2f}")
+            _log_step(writer, step, terms, sched.get_last_lr()[0], float(gnorm))
+            shown = {"loss": f"{terms.total.item():.3f}", "acc1": f"{terms.accept_est[0].item():.2f}"}
+            if val is not None:
+                shown["val_accept_len"] = f"{val['accept_len_est']:.3f}"
+            bar.set_postfix(shown)
         done = step + 1
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == total):
             val = heldout_estimates(model, drafter, records, range(n_train, len(records)), target, cache, cfg,
                                     device, step_fn, autocast)
             if writer is not None and val is not None:
-                writer.add_scalar("val/accept_len_est", val["accept_len_est"], done)
-                for k, (a, t) in enumerate(zip(val["accept_est"], val["top1"]), start=1):
-                    writer.add_scalar(f"val/accept_est/pos{k}", a, done)
-                    writer.add_scalar(f"val/top1_match/pos{k}", t, done)
-                log.info("step %d: held-out accept_len_est %.3f, top1 by position %s", done,
-                         val["accept_len_est"], " ".join(f"{t:.2f}" for t in val["top1"]))
+                _log_heldout(writer, done, val)
         if rank == 0 and (done % cfg.train.save_every == 0 or done == total):
             save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), done,
                             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
