@@ -112,12 +112,12 @@ def cmd_quickstart(args) -> None:
 
 def cmd_bench_train(args) -> None:
     from dspark.training.compare import run_comparison
+    from dspark.training.models import DRAFTERS
 
     cfg = _load(args)
     algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
-    unknown = sorted(set(algos) - {"dspark", "dflash", "eagle3"})
-    if unknown or not algos:
-        raise SystemExit(f"--algos: expected a comma list of dspark, dflash, eagle3; got {args.algos!r}")
+    if not algos or set(algos) - set(DRAFTERS):
+        raise SystemExit(f"--algos: expected a comma list of {', '.join(DRAFTERS)}; got {args.algos!r}")
     run_comparison(cfg, Path(args.output_dir), " ".join(sys.argv), algos)
 
 

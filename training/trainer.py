@@ -193,8 +193,7 @@ def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record
     if len(holdout) == 0:
         return None
     bs = cfg.train.batch_size
-    top1 = est = None
-    n = 0
+    top1, est = [], []  # per batch, weighted by its number of records
     drafter.eval()
     try:
         for j in range(0, len(holdout), bs):
@@ -202,12 +201,11 @@ def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record
             batch = collate(records, idx, target, cache, device)
             with autocast:
                 terms = step_fn(model, drafter, batch, cfg, torch.Generator().manual_seed(j))
-            t, e = terms.top1_match.float().cpu() * len(idx), terms.accept_est.float().cpu() * len(idx)
-            top1, est = (t, e) if top1 is None else (top1 + t, est + e)
-            n += len(idx)
+            top1.append(terms.top1_match.float().cpu() * len(idx))
+            est.append(terms.accept_est.float().cpu() * len(idx))
     finally:
         drafter.train()
-    top1, est = top1 / n, est / n
+    top1, est = torch.stack(top1).sum(0) / len(holdout), torch.stack(est).sum(0) / len(holdout)
     return {"top1": top1.tolist(), "accept_est": est.tolist(),
             "accept_len_est": 1.0 + float(torch.cumprod(est, 0).sum())}
 
