@@ -129,7 +129,7 @@ def cmd_profile(args) -> None:
     cfg = _load(args)
     target = load_target(cfg.target, device=args.device)
     table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
-                               repeats=args.repeats)
+                               repeats=args.repeats, static_steps=args.static_steps)
     ckpt = _checkpoint_dir(args, cfg)
     if ckpt.exists():  # the drafter's own cost lets the engine skip drafting where it cannot pay
         from dspark.engine.bench import profile_draft_cost
@@ -179,7 +179,7 @@ def cmd_bench(args) -> None:
     prompts = [target.chat_prompt_ids(p) for task in ("math", "code", "chat")
                for p in load_eval_prompts(task, args.prompts_per_task, cfg.data.data_root)]
     results = decode_benchmark(target, drafter, prompts, [int(b) for b in args.batches.split(",")], args.max_tokens,
-                               sps=sps, sts=sts, requests_per_slot=args.requests_per_slot)
+                               sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
@@ -215,6 +215,11 @@ def cmd_profiles(_args) -> None:
         print(f"{kind}: {', '.join(list_profiles(kind))}")
 
 
+def _static_steps_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--static-steps", default="auto", choices=("auto", "graphs", "eager", "off"),
+                   help="fixed-shape decode steps: auto = CUDA graphs on a GPU, ragged eager on the CPU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="Train, convert and serve DSpark drafters.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -244,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
     p.add_argument("--checkpoint", help="drafter whose pass is timed too (default: <run>/checkpoints/last if present)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: profile where you serve")
+    _static_steps_arg(p)
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("calibrate", help="fit STS temperatures on held-out data")
     _common(p)
@@ -259,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompts-per-task", type=int, default=4)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (CUDA graphs on a GPU; not run in this project)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (CUDA graphs on a GPU)")
+    _static_steps_arg(p)
     p.add_argument("--requests-per-slot", type=float, default=2.0,
                    help="requests per batch slot (in-flight refills); each batch size runs max(ceil(this x batch), 4)")
     p.add_argument("--output-dir", default="docs/benchmarks")

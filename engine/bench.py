@@ -8,6 +8,7 @@ request per engine step until the batch is full) so the engine runs in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -35,6 +36,8 @@ class SystemResult:
     output_tokens: int
     seconds: float
     drafted_step_frac: float | None = None  # share of decode steps that ran the drafter (adaptive drafting)
+    # greedy: share of requests whose tokens equal target_only's in the same run (losslessness at scale)
+    identical_to_target_only: float | None = None
 
 
 def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
@@ -46,10 +49,14 @@ def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
     return out
 
 
-def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, batch: int, name: str) -> SystemResult:
-    """In-flight run: one new request per step until ``batch`` are running, refilled as they finish."""
+def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingParams, batch: int, name: str,
+               outputs: list[list[int]] | None = None) -> SystemResult:
+    """In-flight run: one new request per step until ``batch`` are running, refilled as they finish.
+
+    ``outputs``, when given, receives each prompt's emitted tokens (in prompt order)."""
     emitted: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     active = 0
 
@@ -57,6 +64,7 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
         nonlocal active
         now = time.perf_counter()
         n = len(o.new_token_ids)
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         if n:
             # n tokens arrived together: n latency samples of (gap / n)
             last = emitted.setdefault(o.request_id, [])
@@ -77,6 +85,8 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
             active += 1
         engine.step()
     secs = time.perf_counter() - t0
+    if outputs is not None:
+        outputs[:] = [tokens.get(f"{name}-{i}", []) for i in range(len(prompts))]
     lat = _token_latencies(emitted)
     total = sum(counts.values())
     rounds = engine.stats["rounds"] - stats0["rounds"]
@@ -126,25 +136,28 @@ def run_hf_generate(target, prompts: list[list[int]], max_tokens: int, batch: in
 def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[int], max_tokens: int, sps=None,
                      sts=None, systems: tuple[str, ...] = ("target_only", "spec_fixed", "spec_scheduled",
                                                          "hf_generate", "hf_prompt_lookup"),
-                     min_prompts: int = 4, requests_per_slot: float = 2.0) -> list[SystemResult]:
+                     min_prompts: int = 4, requests_per_slot: float = 2.0,
+                     static_steps: str = "auto") -> list[SystemResult]:
     """Each batch size decodes ``max(ceil(requests_per_slot * batch), min_prompts)`` prompts (cycled)
-    with every system."""
+    with every system; greedy speculative outputs are checked against ``target_only``'s."""
     results = []
     # min_tokens is not a thing in our engine: no stop tokens, so every request runs max_tokens
     params = SamplingParams(max_tokens=max_tokens)
     for batch in tqdm(batches, desc="decode bench", unit="batch size"):
         n = max(math.ceil(requests_per_slot * batch), min_prompts)
         ps = [prompts[i % len(prompts)] for i in range(n)]
+        reference_out: list[list[int]] | None = None
         for system in systems:
+            cfg = EngineConfig(mode="spec", max_batch=batch, static_steps=static_steps)
             if system == "target_only":
-                eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=batch))
+                eng = SpecEngine(target, None, dataclasses.replace(cfg, mode="target_only"))
             elif system == "spec_fixed":
-                eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=batch))
+                eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="fixed"))
             elif system == "spec_scheduled":
                 if sps is None:
                     continue
-                eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=batch),
-                                 sps=sps, sts_temperatures=sts)
+                eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="algorithm1"), sps=sps,
+                                 sts_temperatures=sts)
             elif system in ("hf_generate", "hf_prompt_lookup"):
                 if system == "hf_prompt_lookup" and batch > 1:
                     continue  # transformers' prompt lookup supports batch size 1 only
@@ -152,17 +165,35 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
                 continue
             else:
                 raise ValueError(f"unknown system {system!r}")
-            results.append(run_engine(eng, ps, params, batch, system))
+            out: list[list[int]] = []
+            res = run_engine(eng, ps, params, batch, system, out)
+            if system == "target_only":
+                reference_out = out
+            elif reference_out is not None:
+                res.identical_to_target_only = sum(a == b for a, b in zip(out, reference_out)) / len(out)
+            results.append(res)
+            del eng  # free its caches (and CUDA graphs) before the next system allocates its own
     return results
 
 
 def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int = 3,
-                       token_counts: list[int] | None = None, allow_flat: bool = False):
-    """Steps/s of one verify forward against its number of tokens B (rows of 1+K tokens over ``context``)."""
+                       token_counts: list[int] | None = None, allow_flat: bool = False, static_steps: str = "auto"):
+    """Steps/s of one verify forward against its number of tokens B (rows of 1+K tokens over ``context``).
+
+    The steps run the way the engine runs them (``EngineConfig.static_steps``): on a GPU,
+    ``auto`` replays CUDA graphs of the padded (rows, query) buckets, whose cost is what the
+    scheduler trades against; on the CPU the ragged eager forward."""
     from .sps import profile_sps
+    from .static_target import StaticTarget, default_row_buckets
 
     rows_max = max(1, max_tokens // (block_size + 1)) + 1
     runner = TargetRunner(target, rows_max, initial_capacity=context + block_size + 2, max_context=context + block_size + 2)
+    on_gpu = runner.device.type == "cuda"
+    kind = "eager"
+    if static_steps in ("graphs", "eager") or (static_steps == "auto" and on_gpu):
+        runner = StaticTarget(runner, default_row_buckets(rows_max), sorted({1, 2, 4, block_size + 1}),
+                              use_graphs=static_steps != "eager")
+        kind = "CUDA graphs" if runner.use_graphs else "static eager"
     counts = token_counts or sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512} & set(range(1, max_tokens + 1)))
 
     def step(B: int) -> None:
@@ -173,7 +204,7 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
         runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
     return profile_sps(step, counts, warmup=1, repeats=repeats, sync=sync, device=str(runner.device),
-                       engine=f"dspark TargetRunner {target.profile.name} ctx={context}", allow_flat=allow_flat)
+                       engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
 
 
 def _sync(device: torch.device) -> None:
@@ -212,22 +243,23 @@ def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats
 
 
 def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, command: str, device: str) -> dict:
-    import dataclasses
-
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": command, "device": device, "results": [dataclasses.asdict(r) for r in results]}
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
     base = {(r.batch): r.tokens_per_s for r in results if r.system == "target_only"}
     lines = [f"# Decode benchmark ({device})", "", f"Command: `{command}`", "",
-             "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | steps drafted | p50 ms/token | p99 ms/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | steps drafted | p50 ms/token | "
+             "p99 ms/token | = target_only |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = r.tokens_per_s / base[r.batch] if r.batch in base else float("nan")
         al = "-" if r.accept_len is None else f"{r.accept_len:.2f}"
         vp = "-" if r.verified_per_accepted is None else f"{r.verified_per_accepted:.2f}"
         ds = "-" if r.drafted_step_frac is None else f"{100 * r.drafted_step_frac:.0f}%"
+        same = "-" if r.identical_to_target_only is None else f"{100 * r.identical_to_target_only:.0f}%"
         lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | {ds} | "
-                     f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} |")
+                     f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} | {same} |")
+    lines += ["", "`= target_only`: share of requests whose greedy tokens equal target-only decoding's in this run."]
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out_dir / f"{name}.png")
     return report

@@ -304,13 +304,14 @@ class SpecEngine:
             self.draft_runner.append(rows)
 
     def _sample_first(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
-        temp = torch.tensor([r.params.temperature for r in reqs])
-        probs = verify_ref.process_logits(logits, temp, torch.tensor([r.params.top_k for r in reqs]),
-                                          torch.tensor([r.params.top_p for r in reqs]))
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        probs = verify_ref.process_logits(logits, temp, torch.tensor([r.params.top_k for r in reqs], device=dev),
+                                          torch.tensor([r.params.top_p for r in reqs], device=dev)).cpu()
         out = []
         for r, p in zip(reqs, probs):
             g = torch.Generator().manual_seed((r.seed * 0x9E3779B1 + 7) % (2**63))
-            out.append(int(torch.multinomial(p.cpu(), 1, generator=g)))
+            out.append(int(torch.multinomial(p, 1, generator=g)))
         return out
 
     def _max_lens(self, reqs: list[_Request]) -> torch.Tensor:

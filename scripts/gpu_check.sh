@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on a CUDA host (the lent H200): build the verify-step extension, run tests/gpu,
 # and run the kernel micro-benchmark. Needs python3 with torch (CUDA), pytest, scipy, ninja;
-# no network, no install of this package (a path shim makes `dspark.plugins` importable).
+# no network, no install of this package (scripts/source_tree_path.sh makes `dspark` importable).
 #
 #   bash scripts/gpu_check.sh            # about 3 minutes on an H200, at most 8.5
+#   BENCH_BUDGET_S=40 bash scripts/gpu_check.sh   # a shorter micro-benchmark
 #
 # Writes docs/benchmarks/verify_kernel.{json,md}; when $OUT is set (the device runner's
 # folder that comes back) the results and logs are copied there too.
@@ -17,13 +18,8 @@ export PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
 log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
 
-# dspark.plugins without installing the distribution: dspark/ + a link to plugins/.
-if ! "$PY" -c "import dspark.plugins.ops" 2>/dev/null; then
-  mkdir -p "$WORK/path/dspark"
-  cp "$ROOT/dspark/__init__.py" "$WORK/path/dspark/__init__.py"
-  ln -s "$ROOT/plugins" "$WORK/path/dspark/plugins"
-  export PYTHONPATH="$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. scripts/source_tree_path.sh
+dspark_source_tree_path "$ROOT" "$PY"
 "$PY" - <<'EOF' || { echo "gpu_check: python/torch/CUDA not usable"; exit 2; }
 import torch, dspark.plugins.ops as ops
 assert torch.cuda.is_available(), "no CUDA device"
@@ -49,7 +45,7 @@ if [ "$status" -eq 0 ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || { log "tests/gpu FAILED"; status=1; }
 
   log "micro-benchmark"
-  timeout 150 "$PY" scripts/bench_verify_kernel.py --out docs/benchmarks --budget-s 110 2>&1 | tee "$WORK/bench.log"
+  timeout 150 "$PY" scripts/bench_verify_kernel.py --out docs/benchmarks --budget-s "${BENCH_BUDGET_S:-110}" 2>&1 | tee "$WORK/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { log "benchmark FAILED"; status=1; }
   [ -f docs/benchmarks/verify_kernel.md ] && cat docs/benchmarks/verify_kernel.md
 fi

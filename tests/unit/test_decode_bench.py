@@ -23,6 +23,9 @@ def test_decode_benchmark_reports_every_system_side_by_side(tmp_path):
         assert r.output_tokens == 6 * max(2 * r.batch, 4), f"{r.system}@{r.batch} emitted {r.output_tokens}"
         if r.system.startswith("spec"):
             assert 1.0 <= r.accept_len <= 5.0
+            assert r.identical_to_target_only == 1.0, f"{r.system}@{r.batch}: greedy output differs from target_only"
+        else:
+            assert r.identical_to_target_only is None
     report = write_decode_results(results, tmp_path, "decode", "test", "cpu")
     assert json.loads((tmp_path / "decode.json").read_text()) == report
     assert (tmp_path / "decode.md").is_file() and (tmp_path / "decode.png").is_file()
