@@ -38,6 +38,7 @@ class SystemResult:
     drafted_step_frac: float | None = None  # share of decode steps that ran the drafter (adaptive drafting)
     # greedy: share of requests whose tokens equal target_only's in the same run (losslessness at scale)
     identical_to_target_only: float | None = None
+    static_step_frac: float | None = None  # share of decode steps run from a fixed-shape bucket (CUDA graph on a GPU)
 
 
 def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
@@ -77,6 +78,7 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
         if o.finished:
             active -= 1
     stats0 = dict(engine.stats)
+    replays0 = getattr(engine.runner, "replays", None)
     t0 = time.perf_counter()
     while pending or engine.has_work():
         if pending and active < batch:
@@ -102,7 +104,8 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
         p50_token_ms=float(np.percentile(lat, 50)) if lat else float("nan"),
         p99_token_ms=float(np.percentile(lat, 99)) if lat else float("nan"),
         output_tokens=total, seconds=secs,
-        drafted_step_frac=1.0 - skipped / rounds if spec and rounds else None)
+        drafted_step_frac=1.0 - skipped / rounds if spec and rounds else None,
+        static_step_frac=(engine.runner.replays - replays0) / rounds if replays0 is not None and rounds else None)
 
 
 @torch.no_grad()
@@ -161,10 +164,13 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
             elif system in ("hf_generate", "hf_prompt_lookup"):
                 if system == "hf_prompt_lookup" and batch > 1:
                     continue  # transformers' prompt lookup supports batch size 1 only
+                run_hf_generate(target, ps[:1], 2, 1, system == "hf_prompt_lookup")  # warm-up, untimed
                 results.append(run_hf_generate(target, ps, max_tokens, batch, system == "hf_prompt_lookup"))
                 continue
             else:
                 raise ValueError(f"unknown system {system!r}")
+            # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks
+            run_engine(eng, ps[:1], dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
             out: list[list[int]] = []
             res = run_engine(eng, ps, params, batch, system, out)
             if system == "target_only":
@@ -176,13 +182,14 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
     return results
 
 
-def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int = 3,
+def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int | None = None,
                        token_counts: list[int] | None = None, allow_flat: bool = False, static_steps: str = "auto"):
     """Steps/s of one verify forward against its number of tokens B (rows of 1+K tokens over ``context``).
 
     The steps run the way the engine runs them (``EngineConfig.static_steps``): on a GPU,
     ``auto`` replays CUDA graphs of the padded (rows, query) buckets, whose cost is what the
-    scheduler trades against; on the CPU the ragged eager forward."""
+    scheduler trades against; on the CPU the ragged eager forward. ``repeats`` defaults to 3 on
+    the CPU (a step takes 0.1-2 s) and 20 on a GPU, after 5 warm-up steps that bring the clocks up."""
     from .sps import profile_sps
     from .static_target import StaticTarget, default_row_buckets
 
@@ -203,7 +210,8 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
             runner.set_length(r, context)
         runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-    return profile_sps(step, counts, warmup=1, repeats=repeats, sync=sync, device=str(runner.device),
+    warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or 3)
+    return profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
                        engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
 
 
@@ -212,13 +220,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int = 3) -> list[float]:
+def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int | None = None) -> list[float]:
     """Median seconds of one drafter pass (``propose``) over R rows of ``context`` positions, per R."""
     import statistics
 
     from .draft_runner import make_draft_runner
 
     p = next(drafter.parameters())
+    repeats = repeats or (20 if p.device.type == "cuda" else 3)
     runner = make_draft_runner(drafter, max(requests))
     aux_dim = drafter.fc.in_features  # target features: hidden size x number of tapped layers
     gen = torch.Generator().manual_seed(0)

@@ -444,13 +444,17 @@ class SpecEngine:
             keep = [r for r in self._active if not r.finished]
             if len(keep) == len(self._active):
                 return
-            for new_slot, r in enumerate(keep):
-                if r.slot != new_slot:
-                    self.runner.move_slot(r.slot, new_slot)
-                    if self.draft_runner is not None:
-                        self.draft_runner.move(r.slot, new_slot)
-                    r.slot = new_slot
-            self._active = keep
+            # fill each freed slot below len(keep) with a request from above it: one cache copy
+            # per departure, where shifting everyone down would copy every later request's cache
+            n = len(keep)
+            holes = sorted(set(range(n)) - {r.slot for r in keep})
+            movers = sorted((r for r in keep if r.slot >= n), key=lambda r: r.slot)
+            for hole, r in zip(holes, movers):
+                self.runner.move_slot(r.slot, hole)
+                if self.draft_runner is not None:
+                    self.draft_runner.move(r.slot, hole)
+                r.slot = hole
+            self._active = sorted(keep, key=lambda r: r.slot)
 
 
 def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: str = "algorithm1",

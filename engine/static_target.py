@@ -4,7 +4,9 @@ A decode step of a small target is bound by Python and kernel launches, not by t
 transformers eager takes 21-36 ms per SmolLM2 forward on an H200 at any batch, while
 reading the weights once takes about 65 us. ``StaticTarget`` wraps a ``TargetRunner`` and
 runs decode steps through ``TargetRunner.forward_static`` at a few fixed shapes, the
-buckets (rows, query length); a step is padded up to the smallest bucket that holds it.
+buckets (rows, query length, attended context); a step is padded up to the smallest bucket
+that holds it. The context buckets keep a step from reading the whole cache when every
+request is short: attention is what grows with the batch.
 On a CUDA device each bucket is captured once as a CUDA graph over static input buffers
 and a step is a host-to-device copy of token ids and lengths plus one graph replay. On
 the CPU the same buckets run eagerly, so the bucketing, padding and cache handling are
@@ -24,7 +26,7 @@ import torch
 
 from .target_runner import RaggedOutput, TargetRunner
 
-__all__ = ["StaticTarget", "default_row_buckets"]
+__all__ = ["StaticTarget", "default_row_buckets", "default_ctx_buckets"]
 
 
 def default_row_buckets(max_rows: int) -> list[int]:
@@ -36,6 +38,16 @@ def default_row_buckets(max_rows: int) -> list[int]:
     return out + [max_rows]
 
 
+def default_ctx_buckets(capacity: int, smallest: int = 512) -> list[int]:
+    """512, 1024, ... while well below ``capacity`` (a bucket within 1.5x of it would cost
+    nearly as much as it), then ``capacity`` itself."""
+    out, c = [], smallest
+    while c * 1.5 <= capacity:
+        out.append(c)
+        c *= 2
+    return out + [capacity]
+
+
 class StaticTarget:
     """A ``TargetRunner`` whose decode steps run at fixed shapes (CUDA graphs on a GPU).
 
@@ -43,7 +55,7 @@ class StaticTarget:
     """
 
     def __init__(self, runner: TargetRunner, row_buckets: Sequence[int], query_buckets: Sequence[int],
-                 use_graphs: bool | None = None) -> None:
+                 use_graphs: bool | None = None, ctx_buckets: Sequence[int] | None = None) -> None:
         self.runner = runner
         self.row_buckets = sorted(set(int(b) for b in row_buckets if 1 <= b <= runner.max_slots))
         self.query_buckets = sorted(set(int(q) for q in query_buckets if q >= 1))
@@ -54,58 +66,62 @@ class StaticTarget:
         if self.use_graphs and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
         runner.reserve(runner.max_context + self.query_buckets[-1])
+        cap = runner.capacity
+        self.ctx_buckets = sorted({min(int(c), cap) for c in (ctx_buckets or default_ctx_buckets(cap)) if c >= 1} | {cap})
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._steps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Callable[[], RaggedOutput]]] = {}
+        self._steps: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, Callable[[], RaggedOutput]]] = {}
         self.replays = 0  # decode steps served from a bucket (the rest fell back to eager)
         for rows in self.row_buckets:
             for q in self.query_buckets:
-                self._steps[(rows, q)] = self._build(rows, q)
+                for ctx in self.ctx_buckets:
+                    self._steps[(rows, q, ctx)] = self._build(rows, q, ctx)
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def _build(self, rows: int, q: int):
+    def _build(self, rows: int, q: int, ctx: int):
         dev = self.runner.device
         ids = torch.zeros(rows, q, dtype=torch.long, device=dev)
         start = torch.zeros(rows, dtype=torch.long, device=dev)
         if not self.use_graphs:
-            return ids, start, lambda: self.runner.forward_static(ids, start)
+            return ids, start, lambda: self.runner.forward_static(ids, start, ctx)
         # Warm up on a side stream (lazy inits, cuBLAS workspaces), then capture. This runs
         # before any request exists, so what the warm-up writes into the cache is unused.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.runner.forward_static(ids, start)
+            self.runner.forward_static(ids, start, ctx)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.runner.forward_static(ids, start)
+            out = self.runner.forward_static(ids, start, ctx)
 
         def replay() -> RaggedOutput:
             graph.replay()
             return out
         return ids, start, replay
 
-    def bucket(self, rows: int, q: int) -> tuple[int, int] | None:
+    def bucket(self, rows: int, q: int, ctx: int | None = None) -> tuple[int, int, int] | None:
+        """The smallest (rows, query, context) bucket holding a step; None past the largest."""
         i = bisect.bisect_left(self.row_buckets, rows)
         j = bisect.bisect_left(self.query_buckets, q)
-        if i == len(self.row_buckets) or j == len(self.query_buckets):
+        k = bisect.bisect_left(self.ctx_buckets, ctx if ctx is not None else self.ctx_buckets[-1])
+        if i == len(self.row_buckets) or j == len(self.query_buckets) or k == len(self.ctx_buckets):
             return None
-        return self.row_buckets[i], self.query_buckets[j]
+        return self.row_buckets[i], self.query_buckets[j], self.ctx_buckets[k]
 
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: list[list[int]], need_features: bool = True,
                 last_logits_only: bool = False) -> RaggedOutput:
         R = len(tokens)
         Q = max(len(t) for t in tokens)
-        key = self.bucket(R, Q)
+        ctx = int(self.runner.lengths[:R].max()) + Q  # the keys the real rows attend to
+        key = self.bucket(R, Q, ctx)
         if last_logits_only or key is None or slots != list(range(R)):
             return self.runner.forward(slots, tokens, need_features, last_logits_only)
         ids, start, run = self._steps[key]
-        host = torch.zeros(ids.shape, dtype=torch.long)
-        for r, t in enumerate(tokens):
-            host[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        rows_b, q_b = ids.shape
+        host = torch.tensor([t + [0] * (q_b - len(t)) for t in tokens] + [[0] * q_b] * (rows_b - R), dtype=torch.long)
         ids.copy_(host, non_blocking=True)
         # rows past R are other slots (free, or mid-prefill): padding writes land past their
         # committed lengths, where the next real write overwrites them and no query looks

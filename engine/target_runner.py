@@ -134,19 +134,21 @@ class TargetRunner:
         return last, aux
 
     @torch.no_grad()
-    def forward_static(self, ids: torch.Tensor, start: torch.Tensor) -> RaggedOutput:
+    def forward_static(self, ids: torch.Tensor, start: torch.Tensor, ctx: int | None = None) -> RaggedOutput:
         """Rows ``0..Rb-1`` on ``ids [Rb, Q]`` (device tensors) with fixed shapes, for CUDA graphs.
 
         Same result as ``forward`` for each row's valid queries, but nothing depends on the
         data on the host: every query writes its K/V at ``start[r] + i`` (padding queries land
         past the row's committed length, where they are overwritten later; positions are
-        clamped into the cache) and attention reads the whole cache under a mask. The cache
-        must not grow while graphs hold it: allocate ``capacity`` for ``max_context`` + Q.
+        clamped into the cache) and attention reads the first ``ctx`` cache entries (default:
+        all) under a mask; a row whose queries reach past ``ctx`` gets garbage, so the caller
+        picks ``ctx`` above every real row's last position. The cache must not grow while
+        graphs hold it: allocate ``capacity`` for ``max_context`` + Q.
         """
         Rb, Q = ids.shape
-        C = self.capacity
+        C = min(ctx or self.capacity, self.capacity)
         pos = start.unsqueeze(1) + torch.arange(Q, device=ids.device).unsqueeze(0)  # [Rb, Q]
-        wpos = pos.clamp(max=C - 1)
+        wpos = pos.clamp(max=self.capacity - 1)
         rows = torch.arange(Rb, device=ids.device).unsqueeze(1).expand(Rb, Q)
         mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
         last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True)

@@ -6,7 +6,7 @@ import torch
 
 from dspark.engine.api import SamplingParams
 from dspark.engine.runtime import EngineConfig, SpecEngine
-from dspark.engine.static_target import StaticTarget, default_row_buckets
+from dspark.engine.static_target import StaticTarget, default_ctx_buckets, default_row_buckets
 from dspark.engine.target_runner import TargetRunner
 from dspark.training.models import build_drafter, drafter_config_for
 
@@ -34,21 +34,25 @@ def test_static_forward_matches_the_ragged_forward_on_every_valid_query(model_ty
     ids = torch.zeros(4, 4, dtype=torch.long)  # padded to a (4 rows, 4 queries) bucket
     for r, t in enumerate(steps):
         ids[r, : len(t)] = torch.tensor(t)
-    out = static_runner.forward_static(ids, static_runner.lengths[:4].clone())
-    for r, t in enumerate(steps):
-        n = len(t)
-        torch.testing.assert_close(out.logits[r, :n], ragged.logits[r, :n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.aux[r, :n], ragged.aux[r, :n], rtol=1e-5, atol=1e-5)
+    start = static_runner.lengths[:4].clone()
+    # the whole cache, and a context bucket just above the longest row (14 + 3 queries)
+    for out in (static_runner.forward_static(ids, start), static_runner.forward_static(ids, start, ctx=18)):
+        for r, t in enumerate(steps):
+            n = len(t)
+            torch.testing.assert_close(out.logits[r, :n], ragged.logits[r, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.aux[r, :n], ragged.aux[r, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_buckets_round_up_and_fall_back_past_the_largest():
     target = make_tiny_target()
     st = StaticTarget(TargetRunner(target, max_slots=6, max_context=32), default_row_buckets(6), [1, 5],
-                      use_graphs=False)
+                      use_graphs=False, ctx_buckets=[8, 16])
     assert default_row_buckets(6) == [1, 2, 4, 6] and default_row_buckets(1) == [1]
-    assert st.bucket(3, 2) == (4, 5) and st.bucket(1, 1) == (1, 1) and st.bucket(6, 5) == (6, 5)
-    assert st.bucket(7, 1) is None and st.bucket(2, 6) is None
     assert st.capacity == 32 + 5  # allocated once, with a query's slack past max_context
+    assert st.ctx_buckets == [8, 16, 37]  # the capacity is always the last context bucket
+    assert st.bucket(3, 2, 9) == (4, 5, 16) and st.bucket(1, 1, 8) == (1, 1, 8) and st.bucket(6, 5) == (6, 5, 37)
+    assert st.bucket(7, 1) is None and st.bucket(2, 6) is None and st.bucket(1, 1, 38) is None
+    assert default_ctx_buckets(2056) == [512, 1024, 2056] and default_ctx_buckets(300) == [300]
     with pytest.raises(ValueError, match="CUDA"):
         StaticTarget(TargetRunner(target, max_slots=2, max_context=16), [1], [1], use_graphs=True)
 
@@ -66,8 +70,9 @@ def _run(engine, jobs):
     return outs
 
 
+@pytest.mark.parametrize("ctx_buckets", [None, (16, 32)], ids=["whole-cache", "context-buckets"])
 @pytest.mark.parametrize("mode", ["spec", "target_only"])
-def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode):
+def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode, ctx_buckets):
     target = make_tiny_target()
     torch.manual_seed(1)
     drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target) if mode == "spec" else None
@@ -78,6 +83,10 @@ def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode):
     ragged = _run(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8)), jobs)
     engine = SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8, static_steps="eager"))
     assert isinstance(engine.runner, StaticTarget)
+    if ctx_buckets:  # requests grow from ~10 to ~50 positions: steps cross 16 and 32
+        st = engine.runner
+        engine.runner = StaticTarget(st.runner, st.row_buckets, st.query_buckets, use_graphs=False,
+                                     ctx_buckets=ctx_buckets)
     static = _run(engine, jobs)
     assert engine.runner.replays > 0, "decode steps must have gone through the buckets"
     for _, rid, _, params in jobs:
