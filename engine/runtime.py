@@ -34,7 +34,7 @@ from .draft_gate import DraftGate
 from .draft_runner import make_draft_runner
 from .scheduler import make_scheduler
 from .sps import SpsTable
-from .static_target import StaticTarget, default_row_buckets
+from .static_target import StaticTarget, default_prefill_buckets, default_row_buckets
 from .target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,8 @@ class SpecEngine:
             return
         queries = sorted({1, 2, 4, self.K + 1}) if self.K else [1]
         self.runner = StaticTarget(self.runner, default_row_buckets(self.cfg.max_batch), queries,
-                                   use_graphs=mode in ("auto", "graphs"))
+                                   use_graphs=mode in ("auto", "graphs"),
+                                   prefill_buckets=default_prefill_buckets(self.cfg.prefill_chunk))
 
     def _make_gate(self, sps, sched: str) -> DraftGate | None:
         """The cost-aware drafting gate, with the hardware-aware schedulers and a drafter-cost table."""
@@ -257,12 +258,14 @@ class SpecEngine:
         out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None,
                                   last_logits_only=True)
         done = []
+        # one device-to-host copy for the whole batch: a copy per request is a sync per request
+        aux_host = out.aux.float().cpu() if self.drafter is not None else None
         for i, (r, t) in enumerate(zip(reqs, toks)):
             n = len(t)
             self.runner.set_length(r.slot, r.prefilled + n)
             r.prefilled += n
-            if self.drafter is not None:
-                aux = out.aux[i, :n].float().cpu()
+            if aux_host is not None:
+                aux = aux_host[i, :n].clone()  # own its memory: the backlog outlives this batch
                 if r.pending_aux is not None:
                     aux = torch.cat([r.pending_aux, aux])
                 # every position but the last knows its next token already
@@ -366,6 +369,7 @@ class SpecEngine:
         if drafting and self.gate is not None:
             self.gate.observe(R, int(lens.sum()), sum(n_acc))
         emitted = res.output_tokens.cpu()
+        aux_host = out.aux[:, : L + 1].float().cpu() if self.drafter is not None else None  # one copy, one sync
         self.stats["rounds"] += 1
         self.stats["batch_size_sum"] += R
         for i, r in enumerate(reqs):
@@ -383,8 +387,8 @@ class SpecEngine:
                 self.stats["accepted_per_position"][k] += 1
             if self.cfg.record_rounds:
                 self.rounds.append(RoundRecord(r.rid, l_, n, None if conf_logits is None else conf_logits[i].float().cpu().tolist()))
-            if self.drafter is not None:
-                self._to_backlog(r, out.aux[i, : n + 1].float().cpu(), torch.tensor(new))
+            if aux_host is not None:
+                self._to_backlog(r, aux_host[i, : n + 1].clone(), torch.tensor(new))
             r.anchor = new[-1]
             self._emit(r, new)
 

@@ -13,8 +13,10 @@ the CPU the same buckets run eagerly, so the bucketing, padding and cache handli
 tested here (``tests/unit/test_static_target.py``); only the capture itself needs a GPU
 (``tests/gpu/test_static_target_gpu.py``, run by ``scripts/gpu_check.sh``).
 
-Prefill chunks (``last_logits_only``), non-contiguous slots and steps larger than the
-largest bucket fall back to the ragged eager ``forward``. The KV cache is allocated at its
+Prefill chunks run one request at a time through their own buckets (one row at any slot,
+the chunk padded to 16, 32, ..., ``prefill_chunk`` tokens): a request joining a running
+batch costs a graph replay, not an eager forward. Non-contiguous decode slots and steps
+larger than the largest bucket fall back to the ragged eager ``forward``. The KV cache is allocated at its
 full size up front (``max_context`` plus the largest query), because graphs hold its address.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from .target_runner import RaggedOutput, TargetRunner
 
-__all__ = ["StaticTarget", "default_row_buckets", "default_ctx_buckets"]
+__all__ = ["StaticTarget", "default_row_buckets", "default_ctx_buckets", "default_prefill_buckets"]
 
 
 def default_row_buckets(max_rows: int) -> list[int]:
@@ -48,6 +50,18 @@ def default_ctx_buckets(capacity: int, smallest: int = 512) -> list[int]:
     return out + [capacity]
 
 
+def default_prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
+    """16, 32, ... below ``prefill_chunk``, then ``prefill_chunk`` itself."""
+    out, q = [], smallest
+    while q < prefill_chunk:
+        out.append(q)
+        q *= 2
+    return out + [prefill_chunk]
+
+
+_Step = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", Callable[[], RaggedOutput]]
+
+
 class StaticTarget:
     """A ``TargetRunner`` whose decode steps run at fixed shapes (CUDA graphs on a GPU).
 
@@ -55,7 +69,8 @@ class StaticTarget:
     """
 
     def __init__(self, runner: TargetRunner, row_buckets: Sequence[int], query_buckets: Sequence[int],
-                 use_graphs: bool | None = None, ctx_buckets: Sequence[int] | None = None) -> None:
+                 use_graphs: bool | None = None, ctx_buckets: Sequence[int] | None = None,
+                 prefill_buckets: Sequence[int] = ()) -> None:
         self.runner = runner
         self.row_buckets = sorted(set(int(b) for b in row_buckets if 1 <= b <= runner.max_slots))
         self.query_buckets = sorted(set(int(q) for q in query_buckets if q >= 1))
@@ -69,37 +84,46 @@ class StaticTarget:
         cap = runner.capacity
         self.ctx_buckets = sorted({min(int(c), cap) for c in (ctx_buckets or default_ctx_buckets(cap)) if c >= 1} | {cap})
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._steps: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, Callable[[], RaggedOutput]]] = {}
+        self.prefill_buckets = sorted(set(int(q) for q in prefill_buckets if q >= 1))
+        self._steps: dict[tuple[int, int, int], _Step] = {}
+        self._prefills: dict[tuple[int, int], _Step] = {}
         self.replays = 0  # decode steps served from a bucket (the rest fell back to eager)
+        self.prefill_replays = 0  # prefill chunks served from a bucket
         for rows in self.row_buckets:
             for q in self.query_buckets:
                 for ctx in self.ctx_buckets:
                     self._steps[(rows, q, ctx)] = self._build(rows, q, ctx)
+        for q in self.prefill_buckets:
+            for ctx in self.ctx_buckets:
+                self._prefills[(q, ctx)] = self._build(1, q, ctx, at_slot=True)
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def _build(self, rows: int, q: int, ctx: int):
+    def _build(self, rows: int, q: int, ctx: int, at_slot: bool = False) -> _Step:
+        """Static input buffers and the step over them; ``at_slot``: the rows' cache slots are
+        an input too (a prefill at any slot), else rows are slots 0..rows-1."""
         dev = self.runner.device
         ids = torch.zeros(rows, q, dtype=torch.long, device=dev)
         start = torch.zeros(rows, dtype=torch.long, device=dev)
+        slots = torch.zeros(rows, dtype=torch.long, device=dev) if at_slot else None
         if not self.use_graphs:
-            return ids, start, lambda: self.runner.forward_static(ids, start, ctx)
+            return ids, start, slots, lambda: self.runner.forward_static(ids, start, ctx, slots)
         # Warm up on a side stream (lazy inits, cuBLAS workspaces), then capture. This runs
         # before any request exists, so what the warm-up writes into the cache is unused.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.runner.forward_static(ids, start, ctx)
+            self.runner.forward_static(ids, start, ctx, slots)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.runner.forward_static(ids, start, ctx)
+            out = self.runner.forward_static(ids, start, ctx, slots)
 
         def replay() -> RaggedOutput:
             graph.replay()
             return out
-        return ids, start, replay
+        return ids, start, slots, replay
 
     def bucket(self, rows: int, q: int, ctx: int | None = None) -> tuple[int, int, int] | None:
         """The smallest (rows, query, context) bucket holding a step; None past the largest."""
@@ -115,11 +139,14 @@ class StaticTarget:
                 last_logits_only: bool = False) -> RaggedOutput:
         R = len(tokens)
         Q = max(len(t) for t in tokens)
+        if last_logits_only:
+            out = self._prefill(slots, tokens)
+            return out if out is not None else self.runner.forward(slots, tokens, need_features, True)
         ctx = int(self.runner.lengths[:R].max()) + Q  # the keys the real rows attend to
         key = self.bucket(R, Q, ctx)
-        if last_logits_only or key is None or slots != list(range(R)):
+        if key is None or slots != list(range(R)):
             return self.runner.forward(slots, tokens, need_features, last_logits_only)
-        ids, start, run = self._steps[key]
+        ids, start, _, run = self._steps[key]
         rows_b, q_b = ids.shape
         host = torch.tensor([t + [0] * (q_b - len(t)) for t in tokens] + [[0] * q_b] * (rows_b - R), dtype=torch.long)
         ids.copy_(host, non_blocking=True)
@@ -130,3 +157,29 @@ class StaticTarget:
         self.replays += 1
         # views of the graph's output buffers: valid until the next replay (the next step)
         return RaggedOutput(logits=out.logits[:R, :Q], aux=out.aux[:R, :Q], last=out.last[:R, :Q])
+
+    def _prefill(self, slots: list[int], tokens: list[list[int]]) -> RaggedOutput | None:
+        """Prefill chunks through the one-row buckets, one replay per request; None when a
+        chunk fits no bucket (the caller runs the ragged forward)."""
+        keys = []
+        for s, t in zip(slots, tokens):
+            j = bisect.bisect_left(self.prefill_buckets, len(t))
+            k = bisect.bisect_left(self.ctx_buckets, int(self.runner.lengths[s]) + len(t))
+            if j == len(self.prefill_buckets) or k == len(self.ctx_buckets):
+                return None
+            keys.append((self.prefill_buckets[j], self.ctx_buckets[k]))
+        Q = max(len(t) for t in tokens)
+        logits, aux, last = [], [], []
+        for s, t, key in zip(slots, tokens, keys):
+            ids, start, slot, run = self._prefills[key]
+            n = len(t)
+            ids.copy_(torch.tensor([t + [0] * (key[0] - n)], dtype=torch.long), non_blocking=True)
+            start.copy_(self.runner.lengths[s:s + 1], non_blocking=True)
+            slot.fill_(s)
+            out = run()
+            # copies: the next replay of the same bucket overwrites the graph's output buffers
+            logits.append(out.logits[0, n - 1:n].clone())
+            aux.append(torch.nn.functional.pad(out.aux[0, :n], (0, 0, 0, Q - n)))
+            last.append(torch.nn.functional.pad(out.last[0, :n], (0, 0, 0, Q - n)))
+            self.prefill_replays += 1
+        return RaggedOutput(logits=torch.stack(logits), aux=torch.stack(aux), last=torch.stack(last))

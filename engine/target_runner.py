@@ -92,7 +92,6 @@ class TargetRunner:
         """
         R = len(tokens)
         slot_t = torch.tensor(slots, dtype=torch.long)
-        self._contiguous = slots == list(range(R))
         q_lens = torch.tensor([len(t) for t in tokens])
         Q = int(q_lens.max())
         start = self.lengths[slot_t].clone()
@@ -107,25 +106,25 @@ class TargetRunner:
         key_pos = torch.arange(total)
         mask = (key_pos.view(1, 1, total) <= pos.unsqueeze(-1)).to(self.device)  # [R, Q, total]
         rows = slot_t.unsqueeze(1).expand(R, Q)[q_valid]
-        self._slot_t = slot_t.to(self.device)
+        gather = None if slots == list(range(R)) else slot_t.to(self.device)
         wpos = pos[q_valid]
         ids, pos_d = ids.to(self.device), pos.to(self.device)
 
-        last, aux = self._stack(ids, pos_d, mask, rows, wpos, q_valid, R, total, need_features)
+        last, aux = self._stack(ids, pos_d, mask, rows, wpos, q_valid, R, total, need_features, gather)
         if last_logits_only:
             logits = self.target.lm_head(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
         else:
             logits = self.target.lm_head(last)
         return RaggedOutput(logits=logits, aux=aux, last=last)
 
-    def _stack(self, ids, pos, mask, rows, wpos, q_valid, R, total, need_features):
+    def _stack(self, ids, pos, mask, rows, wpos, q_valid, R, total, need_features, gather=None):
         """Embedding -> decoder layers (writing the cache) -> final norm; -> (last [R,Q,d], aux [R,Q,m*d])."""
         dec = self.target.decoder
         h = dec.embed_tokens(ids)
         cos, sin = dec.rotary_emb(h, pos)
         captured = {}
         for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total)
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total, gather)
             if need_features and li in self.layer_ids:
                 captured[li] = h
         last = dec.norm(h)
@@ -134,8 +133,10 @@ class TargetRunner:
         return last, aux
 
     @torch.no_grad()
-    def forward_static(self, ids: torch.Tensor, start: torch.Tensor, ctx: int | None = None) -> RaggedOutput:
-        """Rows ``0..Rb-1`` on ``ids [Rb, Q]`` (device tensors) with fixed shapes, for CUDA graphs.
+    def forward_static(self, ids: torch.Tensor, start: torch.Tensor, ctx: int | None = None,
+                       slots: torch.Tensor | None = None) -> RaggedOutput:
+        """Rows ``0..Rb-1`` (or the cache slots in ``slots [Rb]``) on ``ids [Rb, Q]`` (device
+        tensors) with fixed shapes, for CUDA graphs.
 
         Same result as ``forward`` for each row's valid queries, but nothing depends on the
         data on the host: every query writes its K/V at ``start[r] + i`` (padding queries land
@@ -149,12 +150,12 @@ class TargetRunner:
         C = min(ctx or self.capacity, self.capacity)
         pos = start.unsqueeze(1) + torch.arange(Q, device=ids.device).unsqueeze(0)  # [Rb, Q]
         wpos = pos.clamp(max=self.capacity - 1)
-        rows = torch.arange(Rb, device=ids.device).unsqueeze(1).expand(Rb, Q)
+        rows = (torch.arange(Rb, device=ids.device) if slots is None else slots).unsqueeze(1).expand(Rb, Q)
         mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
-        last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True)
+        last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True, gather=slots)
         return RaggedOutput(logits=self.target.lm_head(last), aux=aux, last=last)
 
-    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total):
+    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total, gather=None):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         B, Q, _ = x.shape
@@ -172,10 +173,10 @@ class TargetRunner:
             k_new, v_new = k_new[q_valid], v_new[q_valid]
         kc[rows, :, wpos] = k_new
         vc[rows, :, wpos] = v_new
-        if q_valid is None or self._contiguous:
+        if gather is None:  # slots 0..R-1: views of the cache
             keys, vals = kc[:R, :, :total], vc[:R, :, :total]
         else:
-            keys, vals = kc[self._slot_t, :, :total], vc[self._slot_t, :, :total]
+            keys, vals = kc[gather, :, :total], vc[gather, :, :total]
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling,
                                            enable_gqa=self.n_heads != self.n_kv)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(B, Q, -1))

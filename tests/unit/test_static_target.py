@@ -6,7 +6,8 @@ import torch
 
 from dspark.engine.api import SamplingParams
 from dspark.engine.runtime import EngineConfig, SpecEngine
-from dspark.engine.static_target import StaticTarget, default_ctx_buckets, default_row_buckets
+from dspark.engine.static_target import (StaticTarget, default_ctx_buckets, default_prefill_buckets,
+                                         default_row_buckets)
 from dspark.engine.target_runner import TargetRunner
 from dspark.training.models import build_drafter, drafter_config_for
 
@@ -53,6 +54,7 @@ def test_buckets_round_up_and_fall_back_past_the_largest():
     assert st.bucket(3, 2, 9) == (4, 5, 16) and st.bucket(1, 1, 8) == (1, 1, 8) and st.bucket(6, 5) == (6, 5, 37)
     assert st.bucket(7, 1) is None and st.bucket(2, 6) is None and st.bucket(1, 1, 38) is None
     assert default_ctx_buckets(2056) == [512, 1024, 2056] and default_ctx_buckets(300) == [300]
+    assert default_prefill_buckets(256) == [16, 32, 64, 128, 256] and default_prefill_buckets(8) == [8]
     with pytest.raises(ValueError, match="CUDA"):
         StaticTarget(TargetRunner(target, max_slots=2, max_context=16), [1], [1], use_graphs=True)
 
@@ -86,10 +88,37 @@ def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode, ct
     if ctx_buckets:  # requests grow from ~10 to ~50 positions: steps cross 16 and 32
         st = engine.runner
         engine.runner = StaticTarget(st.runner, st.row_buckets, st.query_buckets, use_graphs=False,
-                                     ctx_buckets=ctx_buckets)
+                                     ctx_buckets=ctx_buckets, prefill_buckets=st.prefill_buckets)
     static = _run(engine, jobs)
     assert engine.runner.replays > 0, "decode steps must have gone through the buckets"
+    assert engine.runner.prefill_replays > 0, "prefill chunks must have gone through the one-row buckets"
     for _, rid, _, params in jobs:
         if params.temperature == 0:
             assert static[rid] == ragged[rid], rid
         assert len(static[rid]) == params.max_tokens
+
+
+def test_prefill_buckets_at_any_slot_match_the_ragged_prefill():
+    """Two requests prefilled at slots 2 and 0 through one bucket, the second on top of an
+    earlier chunk: logits and features as the ragged forward gives (on a GPU, the copies keep
+    the second replay from overwriting the first one's output)."""
+    target = make_tiny_target()
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(6, 64, (5,), generator=g).tolist()
+    chunks = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (7, 4)]
+
+    def runner() -> TargetRunner:
+        r = TargetRunner(target, max_slots=3, initial_capacity=8, max_context=64)
+        r.forward([0], [first], last_logits_only=True)
+        r.set_length(0, len(first))
+        return r
+
+    ragged = runner().forward([2, 0], chunks, last_logits_only=True)
+    st = StaticTarget(runner(), [1], [1], use_graphs=False, ctx_buckets=[16], prefill_buckets=[8])
+    out = st.forward([2, 0], chunks, last_logits_only=True)
+    assert st.prefill_replays == 2 and out.logits.shape == ragged.logits.shape == (2, 1, target.vocab_size)
+    torch.testing.assert_close(out.logits, ragged.logits, rtol=1e-5, atol=1e-5)
+    for i, c in enumerate(chunks):
+        torch.testing.assert_close(out.aux[i, : len(c)], ragged.aux[i, : len(c)], rtol=1e-5, atol=1e-5)
+    assert st.forward([1], [list(range(6, 15))], last_logits_only=True) is not None  # 9 > 8: ragged fallback
+    assert st.prefill_replays == 2
