@@ -16,8 +16,10 @@ tested here (``tests/unit/test_static_target.py``); only the capture itself need
 Prefill chunks run one request at a time through their own buckets (one row at any slot,
 the chunk padded to 16, 32, ..., ``prefill_chunk`` tokens): a request joining a running
 batch costs a graph replay, not an eager forward. Non-contiguous decode slots and steps
-larger than the largest bucket fall back to the ragged eager ``forward``. The KV cache is allocated at its
-full size up front (``max_context`` plus the largest query), because graphs hold its address.
+larger than the largest bucket fall back to the ragged eager ``forward``. The KV cache is
+allocated at its full size up front (``max_context`` plus the largest decode query),
+because graphs hold its address; padding queries past it are clamped onto its last entry,
+which no request ever reaches.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ _Step = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", Callable[[], Ra
 
 
 class StaticTarget:
-    """A ``TargetRunner`` whose decode steps run at fixed shapes (CUDA graphs on a GPU).
+    """A ``TargetRunner`` whose decode steps and prefill chunks run at fixed shapes (CUDA graphs on a GPU).
 
     Everything but ``forward`` is the wrapped runner's (lengths, slots, cache).
     """

@@ -149,7 +149,7 @@ def device_label() -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Serving benchmark", "", f"Command: `{report['command']}`", "", f"Device: {report['device']}", "",
+    lines = ["# Serving benchmark", "", f"Command: `{report['command']}`", "", f"Device: {report['device']}", "",
              "| system | concurrency | output tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
              "e2e p50/p90/p99 ms | accept_len | failed |",
              "|---|---:|---:|---:|---|---|---|---:|---:|"]

@@ -85,7 +85,6 @@ def test_greedy_rows_in_a_mixed_batch_are_bit_identical() -> None:
 # --------------------------------------------------------------------------------------
 def exact_outcomes(p_t: np.ndarray, p_d: np.ndarray, l: int) -> dict[tuple[int, ...], float]:
     """Exact law of the emitted tokens (see tests/unit/test_reference_verify.py)."""
-    V = p_t.shape[1]
     out: dict[tuple[int, ...], float] = defaultdict(float)
 
     def walk(j: int, prefix: tuple[int, ...], prob: float) -> None:

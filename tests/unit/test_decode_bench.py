@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from dspark.engine.bench import decode_benchmark, profile_target_sps, write_decode_results
 from dspark.training.models import build_drafter, drafter_config_for
@@ -29,3 +28,15 @@ def test_decode_benchmark_reports_every_system_side_by_side(tmp_path):
     report = write_decode_results(results, tmp_path, "decode", "test", "cpu")
     assert json.loads((tmp_path / "decode.json").read_text()) == report
     assert (tmp_path / "decode.md").is_file() and (tmp_path / "decode.png").is_file()
+
+
+def test_fixed_shape_steps_are_counted_and_stay_token_identical():
+    """`static_steps="eager"` runs the GPU path's buckets on the CPU: the bench reports that
+    every decode step came from a bucket and that greedy outputs still match target-only."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    results = decode_benchmark(target, drafter, [[7, 8, 9], [10, 11, 12, 13, 14]], [2], max_tokens=6,
+                               systems=("target_only", "spec_fixed"), static_steps="eager")
+    assert [r.system for r in results] == ["target_only", "spec_fixed"]
+    assert all(r.static_step_frac == 1.0 for r in results), [r.static_step_frac for r in results]
+    assert results[1].identical_to_target_only == 1.0

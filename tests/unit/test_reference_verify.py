@@ -196,7 +196,7 @@ def test_greedy_ties_take_the_first_index_like_argmax() -> None:
 
 
 def test_ragged_lens_zero_and_full_in_one_batch() -> None:
-    K, V = 3, 5
+    V = 5
     argmaxes = [[1, 2, 3, 4]] * 4
     drafts = torch.tensor([[1, 2, 3]] * 4)  # every draft would be accepted
     lens = torch.tensor([0, 1, 2, 3])
