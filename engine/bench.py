@@ -191,16 +191,13 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
     scheduler trades against; on the CPU the ragged eager forward. ``repeats`` defaults to 3 on
     the CPU (a step takes 0.1-2 s) and 20 on a GPU, after 5 warm-up steps that bring the clocks up."""
     from .sps import profile_sps
-    from .static_target import StaticTarget, default_row_buckets
+    from .static_target import StaticTarget, with_static_steps
 
     rows_max = max(1, max_tokens // (block_size + 1)) + 1
     runner = TargetRunner(target, rows_max, initial_capacity=context + block_size + 2, max_context=context + block_size + 2)
     on_gpu = runner.device.type == "cuda"
-    kind = "eager"
-    if static_steps in ("graphs", "eager") or (static_steps == "auto" and on_gpu):
-        runner = StaticTarget(runner, default_row_buckets(rows_max), sorted({1, 2, 4, block_size + 1}),
-                              use_graphs=static_steps != "eager")
-        kind = "CUDA graphs" if runner.use_graphs else "static eager"
+    runner = with_static_steps(runner, static_steps, rows_max, block_size)
+    kind = ("CUDA graphs" if runner.use_graphs else "static eager") if isinstance(runner, StaticTarget) else "eager"
     counts = token_counts or sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512} & set(range(1, max_tokens + 1)))
 
     def step(B: int) -> None:

@@ -34,7 +34,7 @@ from .draft_gate import DraftGate
 from .draft_runner import make_draft_runner
 from .scheduler import make_scheduler
 from .sps import SpsTable
-from .static_target import StaticTarget, default_prefill_buckets, default_row_buckets
+from .static_target import with_static_steps
 from .target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,8 @@ class SpecEngine:
 
     def _use_static_steps(self) -> None:
         """Decode steps at fixed shapes (``static_target.py``): CUDA graphs on a GPU."""
-        mode = self.cfg.static_steps
-        if mode not in ("auto", "graphs", "eager", "off"):
-            raise ValueError(f"static_steps must be auto, graphs, eager or off, got {mode!r}")
-        on_gpu = self.runner.device.type == "cuda"
-        if mode == "off" or (mode == "auto" and not on_gpu):
-            return
-        queries = sorted({1, 2, 4, self.K + 1}) if self.K else [1]
-        self.runner = StaticTarget(self.runner, default_row_buckets(self.cfg.max_batch), queries,
-                                   use_graphs=mode in ("auto", "graphs"),
-                                   prefill_buckets=default_prefill_buckets(self.cfg.prefill_chunk))
+        self.runner = with_static_steps(self.runner, self.cfg.static_steps, self.cfg.max_batch, self.K,
+                                        self.cfg.prefill_chunk)
 
     def _make_gate(self, sps, sched: str) -> DraftGate | None:
         """The cost-aware drafting gate, with the hardware-aware schedulers and a drafter-cost table."""

@@ -30,7 +30,8 @@ import torch
 
 from .target_runner import RaggedOutput, TargetRunner
 
-__all__ = ["StaticTarget", "default_row_buckets", "default_ctx_buckets", "default_prefill_buckets"]
+__all__ = ["StaticTarget", "with_static_steps", "default_row_buckets", "default_query_buckets",
+           "default_ctx_buckets", "default_prefill_buckets"]
 
 
 def default_row_buckets(max_rows: int) -> list[int]:
@@ -59,6 +60,28 @@ def default_prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]
         out.append(q)
         q *= 2
     return out + [prefill_chunk]
+
+
+def default_query_buckets(block_size: int) -> list[int]:
+    """Decode query lengths: 1 (no drafts), 2, 4 and a full block of ``block_size`` drafts."""
+    return sorted({1, 2, 4, block_size + 1}) if block_size else [1]
+
+
+STATIC_STEP_MODES = ("auto", "graphs", "eager", "off")
+
+
+def with_static_steps(runner: TargetRunner, mode: str, max_rows: int, block_size: int,
+                      prefill_chunk: int | None = None) -> "TargetRunner | StaticTarget":
+    """``runner`` wrapped for fixed-shape steps as ``mode`` asks (``EngineConfig.static_steps``):
+    ``auto`` means CUDA graphs on a GPU and the plain ragged runner on the CPU; ``graphs`` and
+    ``eager`` force the buckets; ``off`` never wraps."""
+    if mode not in STATIC_STEP_MODES:
+        raise ValueError(f"static_steps must be one of {', '.join(STATIC_STEP_MODES)}, got {mode!r}")
+    if mode == "off" or (mode == "auto" and runner.device.type != "cuda"):
+        return runner
+    return StaticTarget(runner, default_row_buckets(max_rows), default_query_buckets(block_size),
+                        use_graphs=mode != "eager",
+                        prefill_buckets=default_prefill_buckets(prefill_chunk) if prefill_chunk else ())
 
 
 _Step = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", Callable[[], RaggedOutput]]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a CUDA host (the lent H200): build the verify-step extension, run tests/gpu,
+# One call on a CUDA host (an H200 here): build the verify-step extension, run tests/gpu,
 # and run the kernel micro-benchmark. Needs python3 with torch (CUDA), pytest, scipy, ninja;
 # no network, no install of this package (scripts/source_tree_path.sh makes `dspark` importable).
 #

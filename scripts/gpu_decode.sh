@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode benchmark on a CUDA host (the lent H200) with the real target: profiles the
+# The decode benchmark on a CUDA host (an H200 here) with the real target: profiles the
 # SPS table there (CUDA-graph steps), checks graph replay against eager on the GPU, then
 # runs `dspark bench` (target-only, spec fixed/scheduled, transformers generate() and
 # prompt lookup) side by side. Needs python3 with torch (CUDA) and transformers; no install

@@ -1,6 +1,6 @@
 # Sourced by the GPU scripts: make `import dspark` work from this source tree without
-# installing the kit (the lent GPU machine has torch and transformers, but nothing can be
-# installed there). pyproject maps dspark.training, dspark.engine, ... to top-level folders,
+# installing the kit (a GPU host may have torch and transformers but no way to install
+# it). pyproject maps dspark.training, dspark.engine, ... to top-level folders,
 # so the same layout is made with links inside dspark/ (ignored by git).
 dspark_source_tree_path() {
   local root=$1 py=${2:-python3}

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 
-
 from dspark.engine.bench import decode_benchmark, profile_target_sps, write_decode_results
 from dspark.training.models import build_drafter, drafter_config_for
 
