@@ -112,9 +112,9 @@ class TargetRunner:
 
         last, aux = self._stack(ids, pos_d, mask, rows, wpos, q_valid, R, total, need_features, gather)
         if last_logits_only:
-            logits = self.target.lm_head(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
+            logits = self.target.logits_from_last(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
         else:
-            logits = self.target.lm_head(last)
+            logits = self.target.logits_from_last(last)
         return RaggedOutput(logits=logits, aux=aux, last=last)
 
     def _stack(self, ids, pos, mask, rows, wpos, q_valid, R, total, need_features, gather=None):
@@ -153,7 +153,7 @@ class TargetRunner:
         rows = (torch.arange(Rb, device=ids.device) if slots is None else slots).unsqueeze(1).expand(Rb, Q)
         mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
         last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True, gather=slots)
-        return RaggedOutput(logits=self.target.lm_head(last), aux=aux, last=last)
+        return RaggedOutput(logits=self.target.logits_from_last(last), aux=aux, last=last)
 
     def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total, gather=None):
         attn = layer.self_attn

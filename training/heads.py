@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .vocab_projection import vocab_logits
+
 
 class MarkovHead(nn.Module):
     """Bigram correction of the block logits from the previous token (vanilla or RNN)."""
@@ -55,7 +57,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., r] -> [..., V] additive logit correction."""
-        return self.w2(feature)
+        return vocab_logits(feature, self.w2.weight)
 
 
 class ConfidenceHead(nn.Module):

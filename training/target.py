@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .config import TargetProfile
+from .vocab_projection import vocab_logits
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,8 @@ class Target(nn.Module):
         return TargetFeatures(aux=aux, last=out.last_hidden_state)
 
     def logits_from_last(self, last: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(last)
+        """Final hidden states (after the final norm) -> logits, through the target's LM head."""
+        return vocab_logits(last, self.lm_head.weight)
 
     def chat_prompt_ids(self, text: str) -> list[int]:
         """First-turn chat prompt with the generation prompt appended."""
