@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .vocab_projection import vocab_logits
+from .cpu_linear import linear
 
 
 class MarkovHead(nn.Module):
@@ -57,7 +57,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., r] -> [..., V] additive logit correction."""
-        return vocab_logits(feature, self.w2.weight)
+        return linear(feature, self.w2.weight)
 
 
 class ConfidenceHead(nn.Module):
