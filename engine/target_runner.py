@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from dspark.training.cpu_linear import linear
+from dspark.training.cpu_linear import project
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -161,9 +161,9 @@ class TargetRunner:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         B, Q, _ = x.shape
-        q = _proj(attn.q_proj, x).view(B, Q, -1, self.head_dim)
-        k = _proj(attn.k_proj, x).view(B, Q, -1, self.head_dim)
-        v = _proj(attn.v_proj, x).view(B, Q, -1, self.head_dim)
+        q = project(attn.q_proj, x).view(B, Q, -1, self.head_dim)
+        k = project(attn.k_proj, x).view(B, Q, -1, self.head_dim)
+        v = project(attn.v_proj, x).view(B, Q, -1, self.head_dim)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -181,17 +181,13 @@ class TargetRunner:
             keys, vals = kc[gather, :, :total], vc[gather, :, :total]
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling,
                                            enable_gqa=self.n_heads != self.n_kv)
-        h = h + _proj(attn.o_proj, o.transpose(1, 2).reshape(B, Q, -1))
+        h = h + project(attn.o_proj, o.transpose(1, 2).reshape(B, Q, -1))
         return h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
 
 
-def _proj(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
-
-
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The gated MLP (Llama / Qwen / Gemma layout) through ``cpu_linear.linear``; any other
+    """The gated MLP (Llama / Qwen / Gemma layout) through ``cpu_linear.project``; any other
     MLP runs as its own module."""
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return mlp(x)
-    return _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, x)) * _proj(mlp.up_proj, x))
+    return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))

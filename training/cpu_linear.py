@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 
 def transposed_pays(rows: int, inner: int, outer: int) -> bool:
-    """Where ``W @ x^T`` measured faster than ``F.linear`` in both runs of the benchmark."""
+    """Where ``W @ x^T`` measured faster than ``F.linear`` in every run of the benchmark."""
     if inner < 512:  # the Markov head's W2
         return rows < 8
     if outer >= 16384:  # an LM head
@@ -42,6 +42,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows == 0 or not transposed_pays(rows, x.shape[-1], weight.shape[0]):
         return F.linear(x, weight, bias)
     return transposed_linear(x, weight, bias)
+
+
+def project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``nn.Linear`` (its weight and bias) through ``linear``."""
+    return linear(x, module.weight, module.bias)
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_linear import linear
+from .cpu_linear import project
 
 
 class MarkovHead(nn.Module):
@@ -57,7 +57,7 @@ class MarkovHead(nn.Module):
 
     def bias(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., r] -> [..., V] additive logit correction."""
-        return linear(feature, self.w2.weight)
+        return project(self.w2, feature)
 
 
 class ConfidenceHead(nn.Module):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .config import TargetProfile
-from .cpu_linear import linear
+from .cpu_linear import project
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class Target(nn.Module):
 
     def logits_from_last(self, last: torch.Tensor) -> torch.Tensor:
         """Final hidden states (after the final norm) -> logits, through the target's LM head."""
-        return linear(last, self.lm_head.weight)
+        return project(self.lm_head, last)
 
     def chat_prompt_ids(self, text: str) -> list[int]:
         """First-turn chat prompt with the generation prompt appended."""

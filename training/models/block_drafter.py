@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..cpu_linear import project
 from ..heads import ConfidenceHead, MarkovHead
-from ..cpu_linear import linear
 from .layers import TargetTiedDrafter
 
 
@@ -79,7 +79,7 @@ class BlockDrafter(TargetTiedDrafter):
 
     def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> BlockOutput:
         """Teacher-forced heads: hidden [..., K, d], prev_tokens x_{k-1} [..., K]."""
-        logits = linear(hidden, self.lm_head.weight)
+        logits = project(self.lm_head, hidden)
         conf = None
         if self.markov is not None:
             feat, emb = self.markov.features(prev_tokens, hidden)
@@ -135,7 +135,7 @@ class BlockDrafter(TargetTiedDrafter):
         mask = torch.cat([ctx_valid.unsqueeze(1).expand(R, K, -1),
                           torch.ones(R, K, K, dtype=torch.bool, device=anchor.device)], dim=-1)
         hidden = self.block_hidden(blk, pos, ctx_kv, mask)  # [R, K, d]
-        base = linear(hidden, self.lm_head.weight).float()  # [R, K, V]
+        base = project(self.lm_head, hidden).float()  # [R, K, V]
         return sample_sequential(self, base, hidden, anchor, temperature, generator)
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cpu_linear import linear
-
+from ..cpu_linear import project
 from .block_drafter import DrafterConfig, Proposal, draft_distribution, draw
 from .layers import TargetTiedDrafter
 
@@ -97,7 +96,7 @@ class Eagle3Drafter(TargetTiedDrafter):
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            p = draft_distribution(linear(self.norm(h), self.lm_head.weight).float(), temperature)
+            p = draft_distribution(project(self.lm_head, self.norm(h)).float(), temperature)
             x = draw(p, temperature, generator)
             tokens[:, k], probs[:, k] = x, p
             if k == K - 1:
