@@ -12,9 +12,12 @@ for R running requests, where A and V are moving averages of the drafts accepted
 verified per request on past drafted steps. They are realised counts, so the gate also
 works for drafters without a confidence head. When the plain step wins, the engine runs a
 target-only step. Every ``probe``-th skipped step drafts anyway, so the averages follow
-the text (a response can turn predictable halfway through). The probe interval doubles
-after each probe that does not pay, up to ``max_probe``, which keeps the cost of probing
-for a drafter that never pays under a few percent.
+the text (a response can turn predictable halfway through). A probe drafts only
+``probe_rows`` of the running requests (the engine picks those that drafted least
+recently): the averages are per request, so a few rows measure them, and at a large batch
+a full drafter pass costs more than a plain step. The probe interval doubles after each
+probe that does not pay, up to ``max_probe``, which keeps the cost of probing for a
+drafter that never pays under a few percent.
 
 Lossless: the decision uses only committed history (past accepted counts), never the
 drafts it gates, so skipping is a verify length of 0 chosen before the drafts exist.
@@ -32,17 +35,20 @@ class DraftGate:
     """Per-step decision: run the drafter or a plain target step (see the module docstring)."""
 
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 64,
-                 smoothing: float = 0.25) -> None:
+                 smoothing: float = 0.25, probe_rows: int = 4) -> None:
         if not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
         if not 1 <= min_probe <= max_probe:
             raise ValueError(f"need 1 <= min_probe <= max_probe, got {min_probe}, {max_probe}")
+        if probe_rows < 1:
+            raise ValueError(f"probe_rows must be >= 1, got {probe_rows}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.table = table
         self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
         self.min_probe, self.max_probe, self.smoothing = min_probe, max_probe, smoothing
+        self.probe_rows = probe_rows
         self.reset()
 
     def reset(self) -> None:
@@ -67,22 +73,25 @@ class DraftGate:
         t_drafted = self.table.draft_time(requests) + self._step_time(requests + round(requests * self.verified))
         return (1.0 + self.accepted) * t_plain / t_drafted
 
-    def should_draft(self, requests: int) -> bool:
+    def rows_to_draft(self, requests: int) -> int:
+        """How many of ``requests`` rows draft this step: all when drafting is predicted to pay,
+        none when it is not, ``min(probe_rows, requests)`` on a probe step."""
         if self.expected_gain(requests) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0
             self.probe = self.min_probe
-            draft = True
+            rows = requests
         else:
             self.skipped += 1
-            draft = self.skipped >= self.probe
-            if draft:  # a probe: if it does not pay either, wait longer for the next one
+            rows = 0
+            if self.skipped >= self.probe:  # a probe: if it does not pay either, wait longer for the next one
                 self.skipped = 0
                 self.probe = min(2 * self.probe, self.max_probe)
-        if draft:
+                rows = min(self.probe_rows, requests)
+        if rows:
             self.drafted_steps += 1
         else:
             self.skipped_steps += 1
-        return draft
+        return rows
 
     def observe(self, requests: int, verified: int, accepted: int) -> None:
         """Record a drafted step: totals over its ``requests`` rows."""

@@ -79,6 +79,7 @@ class _Request:
     ctx_backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backlog_tokens: int = 0
     steps: int = 0
+    last_drafted: int = -1  # engine round of this request's latest draft (gate probes pick the oldest)
     drafted: int = 0
     accepted: int = 0
     cancelled: bool = False
@@ -317,40 +318,67 @@ class SpecEngine:
             caps.append(max(0, min(self.K, remaining - 1, room)))
         return torch.tensor(caps, dtype=torch.long)
 
+    def _rows_to_draft(self, reqs: list[_Request]) -> list[int]:
+        """Indices of ``reqs`` that draft this step: all, none (the gate skips), or on a gate probe
+        the few that drafted least recently."""
+        if self.draft_runner is None or self.K == 0:
+            return []
+        R = len(reqs)
+        n = R if self.gate is None else self.gate.rows_to_draft(R)
+        if n == R:
+            return list(range(R))
+        return sorted(sorted(range(R), key=lambda i: reqs[i].last_drafted)[:n])
+
     def _decode(self, reqs: list[_Request]) -> None:
         R = len(reqs)
         slots = [r.slot for r in reqs]
         anchors = torch.tensor([r.anchor for r in reqs], device=self.device)
         temps = torch.tensor([r.params.temperature for r in reqs])
-        drafting = self.draft_runner is not None and self.K > 0 and (self.gate is None or self.gate.should_draft(R))
+        rows = self._rows_to_draft(reqs)
+        drafting = bool(rows)
+        conf_rows: list[list[float] | None] = [None] * R
+        lens = torch.zeros(R, dtype=torch.long)
+        drafts = torch.zeros(R, self.K, dtype=torch.long)
         if drafting:
-            self._flush_draft_context(reqs)
-            prop = self.draft_runner.propose(slots, anchors, temps.to(self.device), self._gen)
-            conf_logits = prop.conf_logits
-            if conf_logits is not None:
-                cl = conf_logits.float().cpu()
+            sub = [reqs[i] for i in rows]
+            idx = torch.tensor(rows)
+            self._flush_draft_context(sub)
+            prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device), self._gen)
+            confidence = torch.zeros(R, self.K)  # rows that do not draft verify nothing (cap 0 below)
+            if prop.conf_logits is not None:
+                cl = prop.conf_logits.float().cpu()
+                for i, c in zip(rows, cl):
+                    conf_rows[i] = c.tolist()
                 if self.sts is not None:
                     cl = cl / self.sts[: cl.shape[1]].clamp(min=1e-4)
-                confidence = torch.sigmoid(cl)
+                confidence[idx] = torch.sigmoid(cl)
             else:
-                confidence = torch.ones(R, self.K)
-            lens = self.policy(confidence, self._max_lens(reqs), [r.rid for r in reqs]).cpu()
-            drafts = prop.tokens.cpu()
-        else:
-            lens = torch.zeros(R, dtype=torch.long)
-            drafts = torch.zeros(R, 0, dtype=torch.long)
-            conf_logits = None
-            if self.draft_runner is not None:
-                self.stats["skipped_draft_steps"] += 1
+                confidence[idx] = 1.0
+            cap = torch.zeros(R, dtype=torch.long)
+            cap[idx] = self._max_lens(sub)
+            # the policy sees the whole batch: its token count sets the step's cost
+            lens = self.policy(confidence, cap, [r.rid for r in reqs]).cpu()
+            drafts[idx] = prop.tokens.cpu()
+            for r in sub:
+                r.last_drafted = self.stats["rounds"]
+        elif self.draft_runner is not None:
+            self.stats["skipped_draft_steps"] += 1
         L = int(lens.max()) if R else 0
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
         out = self.runner.forward(slots, toks, need_features=self.drafter is not None)
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        draft_probs = prop.probs[:, :L].float() if L > 0 else None
-        if draft_probs is None and bool((temps > 0).any()):
+        if L > 0:
+            draft_probs = prop.probs[:, :L].float()
+            if len(rows) < R:  # rows that did not draft have verify length 0: their probabilities are never read
+                full = draft_probs.new_zeros((R,) + draft_probs.shape[1:])
+                full[torch.tensor(rows, device=full.device)] = draft_probs
+                draft_probs = full
+        elif bool((temps > 0).any()):
             draft_probs = torch.zeros(R, 0, target_logits.shape[-1], device=target_logits.device)
+        else:
+            draft_probs = None
         res = self.verify(
             drafts[:, :L].to(target_logits.device), draft_probs, target_logits, lens.to(target_logits.device),
             temps.to(target_logits.device),
@@ -359,7 +387,7 @@ class SpecEngine:
             seed=torch.tensor([r.seed for r in reqs]), offset=torch.tensor([r.steps for r in reqs]))
         n_acc = res.num_accepted.cpu().tolist()
         if drafting and self.gate is not None:
-            self.gate.observe(R, int(lens.sum()), sum(n_acc))
+            self.gate.observe(len(rows), int(lens.sum()), sum(n_acc))
         emitted = res.output_tokens.cpu()
         aux_host = out.aux[:, : L + 1].float().cpu() if self.drafter is not None else None  # one copy, one sync
         self.stats["rounds"] += 1
@@ -378,7 +406,7 @@ class SpecEngine:
             for k in range(n):
                 self.stats["accepted_per_position"][k] += 1
             if self.cfg.record_rounds:
-                self.rounds.append(RoundRecord(r.rid, l_, n, None if conf_logits is None else conf_logits[i].float().cpu().tolist()))
+                self.rounds.append(RoundRecord(r.rid, l_, n, conf_rows[i]))
             if aux_host is not None:
                 self._to_backlog(r, aux_host[i, : n + 1].clone(), torch.tensor(new))
             r.anchor = new[-1]

@@ -32,8 +32,9 @@ def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=8)
     decisions = []
     for _ in range(40):
-        d = gate.should_draft(1)
+        d = gate.rows_to_draft(1)
         decisions.append(d)
+        assert d in (0, 1)
         if d:
             gate.observe(1, verified=1, accepted=0)
     drafted = [i for i, d in enumerate(decisions) if d]
@@ -43,18 +44,27 @@ def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
     assert gate.skipped_steps == 40 - len(drafted)
 
 
+def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=8, probe_rows=3)
+    assert gate.rows_to_draft(16) == 16  # no history yet: everyone drafts
+    gate.observe(16, verified=16, accepted=0)
+    decisions = [gate.rows_to_draft(16) for _ in range(6)]
+    assert decisions == [0, 3, 0, 0, 0, 3]  # probes at intervals 2 then 4, three rows each
+    assert gate.rows_to_draft(2) == 0 and gate.probe_rows == 3
+
+
 def test_a_drafter_that_pays_is_always_run_and_one_good_probe_resets_the_interval():
     gate = DraftGate(_table(draft_seconds=0.1), max_tokens=64, min_probe=2, max_probe=8)
     gate.observe(1, verified=4, accepted=3)
-    assert all(gate.should_draft(1) for _ in range(10))
+    assert all(gate.rows_to_draft(1) for _ in range(10))
     for _ in range(20):  # acceptance collapses: the average falls until skipping starts
-        if gate.should_draft(1):
+        if gate.rows_to_draft(1):
             gate.observe(1, verified=4, accepted=0)
     assert gate.skipped_steps > 0 and gate.probe > 2
-    while not gate.should_draft(1):
+    while not gate.rows_to_draft(1):
         pass
     gate.observe(1, verified=4, accepted=40)  # the probe finds a predictable stretch
-    assert gate.should_draft(1) and gate.probe == 2
+    assert gate.rows_to_draft(1) and gate.probe == 2
 
 
 def test_gate_needs_a_table_with_drafter_cost():
@@ -88,3 +98,28 @@ def test_gate_is_off_for_fixed_blocks_and_for_tables_without_drafter_cost():
     assert SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1"), sps=plain).gate is None
     off = EngineConfig(scheduler="algorithm1", adaptive_drafting=False)
     assert SpecEngine(target, drafter, off, sps=_table(10.0)).gate is None
+
+
+def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossless():
+    target = make_tiny_target()
+    torch.manual_seed(5)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    jobs = [(f"r{i}", list(range(7 + i, 20 + 2 * i)), SamplingParams(max_tokens=24)) for i in range(6)]
+    sampled = ("s", [9, 10, 11], SamplingParams(max_tokens=24, temperature=0.9, top_k=8, seed=3))
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=7)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=7),
+                        sps=_table(draft_seconds=10.0, verify_slope=0.01))
+    engine.gate.probe_rows = 2
+    drafted_slots: list[list[int]] = []
+    propose = engine.draft_runner.propose
+
+    def recording_propose(slots, *args, **kwargs):
+        drafted_slots.append(list(slots))
+        return propose(slots, *args, **kwargs)
+    engine.draft_runner.propose = recording_propose
+    out = run_to_completion(engine, jobs + [sampled])
+    assert {rid: out[rid] for rid, _, _ in jobs} == base
+    assert len(out["s"]) == 24
+    probes = [s for s in drafted_slots[1:] if len(s) < 7]
+    assert probes and all(len(s) == 2 for s in probes)
+    assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
