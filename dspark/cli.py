@@ -179,7 +179,8 @@ def cmd_bench(args) -> None:
     prompts = [target.chat_prompt_ids(p) for task in ("math", "code", "chat")
                for p in load_eval_prompts(task, args.prompts_per_task, cfg.data.data_root)]
     results = decode_benchmark(target, drafter, prompts, [int(b) for b in args.batches.split(",")], args.max_tokens,
-                               sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps)
+                               sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps,
+                               repeats=args.repeats)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     _static_steps_arg(p)
     p.add_argument("--requests-per-slot", type=float, default=2.0,
                    help="requests per batch slot (in-flight refills); each batch size runs max(ceil(this x batch), 4)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds per system in rotating order; reports medians and per-round ratios (noisy hosts)")
     p.add_argument("--output-dir", default="docs/benchmarks")
     p.add_argument("--name", default="decode")
     p.set_defaults(fn=cmd_bench)

@@ -39,6 +39,9 @@ class SystemResult:
     # greedy: share of requests whose tokens equal target_only's in the same run (losslessness at scale)
     identical_to_target_only: float | None = None
     static_step_frac: float | None = None  # share of decode steps run from a fixed-shape bucket (CUDA graph on a GPU)
+    # with repeats: tokens/s of every run, and the median over runs of tokens/s over target_only's in the same round
+    tokens_per_s_runs: list[float] | None = None
+    ratio_to_target_only: float | None = None
 
 
 def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
@@ -140,46 +143,84 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
                      sts=None, systems: tuple[str, ...] = ("target_only", "spec_fixed", "spec_scheduled",
                                                          "hf_generate", "hf_prompt_lookup"),
                      min_prompts: int = 4, requests_per_slot: float = 2.0,
-                     static_steps: str = "auto") -> list[SystemResult]:
+                     static_steps: str = "auto", repeats: int = 1) -> list[SystemResult]:
     """Each batch size decodes ``max(ceil(requests_per_slot * batch), min_prompts)`` prompts (cycled)
-    with every system; greedy speculative outputs are checked against ``target_only``'s."""
+    with every system; greedy speculative outputs are checked against ``target_only``'s.
+
+    ``repeats`` > 1 runs every system that many rounds, the order rotating each round so that
+    no system always runs first or after the same neighbour. A system's row is its median run;
+    ``ratio_to_target_only`` is the median of its per-round ratios (runs of one round are
+    minutes apart, which cancels most of a noisy host's drift)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     results = []
     # min_tokens is not a thing in our engine: no stop tokens, so every request runs max_tokens
     params = SamplingParams(max_tokens=max_tokens)
     for batch in tqdm(batches, desc="decode bench", unit="batch size"):
         n = max(math.ceil(requests_per_slot * batch), min_prompts)
         ps = [prompts[i % len(prompts)] for i in range(n)]
-        reference_out: list[list[int]] | None = None
-        for system in systems:
-            cfg = EngineConfig(mode="spec", max_batch=batch, static_steps=static_steps)
-            if system == "target_only":
-                eng = SpecEngine(target, None, dataclasses.replace(cfg, mode="target_only"))
-            elif system == "spec_fixed":
-                eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="fixed"))
-            elif system == "spec_scheduled":
-                if sps is None:
-                    continue
-                eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="algorithm1"), sps=sps,
-                                 sts_temperatures=sts)
-            elif system in ("hf_generate", "hf_prompt_lookup"):
-                if system == "hf_prompt_lookup" and batch > 1:
-                    continue  # transformers' prompt lookup supports batch size 1 only
-                run_hf_generate(target, ps[:1], 2, 1, system == "hf_prompt_lookup")  # warm-up, untimed
-                results.append(run_hf_generate(target, ps, max_tokens, batch, system == "hf_prompt_lookup"))
-                continue
-            else:
-                raise ValueError(f"unknown system {system!r}")
-            # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks
-            run_engine(eng, ps[:1], dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
-            out: list[list[int]] = []
-            res = run_engine(eng, ps, params, batch, system, out)
-            if system == "target_only":
-                reference_out = out
-            elif reference_out is not None:
-                res.identical_to_target_only = sum(a == b for a, b in zip(out, reference_out)) / len(out)
-            results.append(res)
-            del eng  # free its caches (and CUDA graphs) before the next system allocates its own
+        runnable = [s for s in systems if _runs_at(s, batch, sps)]
+        runs: dict[str, list[SystemResult]] = {s: [] for s in runnable}
+        outputs: dict[str, list[list[int]]] = {}
+        for rnd in range(repeats):
+            k = rnd % len(runnable)
+            for system in runnable[k:] + runnable[:k]:
+                out: list[list[int]] = []
+                runs[system].append(_run_system(system, target, drafter, ps, params, batch, sps, sts, static_steps, out))
+                outputs.setdefault(system, out)
+        results += _summarise(runs, outputs)
     return results
+
+
+def _runs_at(system: str, batch: int, sps) -> bool:
+    if system not in ("target_only", "spec_fixed", "spec_scheduled", "hf_generate", "hf_prompt_lookup"):
+        raise ValueError(f"unknown system {system!r}")
+    if system == "spec_scheduled":
+        return sps is not None
+    if system == "hf_prompt_lookup":
+        return batch == 1  # transformers' prompt lookup supports batch size 1 only
+    return True
+
+
+def _run_system(system: str, target, drafter, ps: list[list[int]], params: SamplingParams, batch: int, sps, sts,
+                static_steps: str, out: list[list[int]]) -> SystemResult:
+    """One timed run of ``system`` after an untimed warm-up; ``out`` receives our engine's tokens."""
+    if system.startswith("hf_"):
+        lookup = system == "hf_prompt_lookup"
+        run_hf_generate(target, ps[:1], 2, 1, lookup)  # warm-up, untimed
+        return run_hf_generate(target, ps, params.max_tokens, batch, lookup)
+    cfg = EngineConfig(mode="spec", max_batch=batch, static_steps=static_steps)
+    if system == "target_only":
+        eng = SpecEngine(target, None, dataclasses.replace(cfg, mode="target_only"))
+    elif system == "spec_fixed":
+        eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="fixed"))
+    else:
+        eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="algorithm1"), sps=sps,
+                         sts_temperatures=sts)
+    # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks
+    run_engine(eng, ps[:1], dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
+    res = run_engine(eng, ps, params, batch, system, out)
+    del eng  # free its caches (and CUDA graphs) before the next system allocates its own
+    return res
+
+
+def _summarise(runs: dict[str, list[SystemResult]], outputs: dict[str, list[list[int]]]) -> list[SystemResult]:
+    """One row per system: its median run, every run's tokens/s, the median paired ratio to
+    target_only, and (engine systems) the share of requests identical to target_only's."""
+    base_runs = runs.get("target_only", [])
+    rows = []
+    for system, rs in runs.items():
+        row = sorted(rs, key=lambda r: r.tokens_per_s)[(len(rs) - 1) // 2]
+        row.tokens_per_s = float(np.median([r.tokens_per_s for r in rs]))
+        if len(rs) > 1:
+            row.tokens_per_s_runs = [r.tokens_per_s for r in rs]
+        if base_runs:
+            row.ratio_to_target_only = float(np.median([r.tokens_per_s / b.tokens_per_s for r, b in zip(rs, base_runs)]))
+        if system.startswith("spec") and "target_only" in outputs:
+            ref = outputs["target_only"]
+            row.identical_to_target_only = sum(a == b for a, b in zip(outputs[system], ref)) / len(ref)
+        rows.append(row)
+    return rows
 
 
 def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int | None = None,
@@ -252,13 +293,13 @@ def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": command, "device": device, "results": [dataclasses.asdict(r) for r in results]}
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-    base = {(r.batch): r.tokens_per_s for r in results if r.system == "target_only"}
+    repeats = max((len(r.tokens_per_s_runs or [1]) for r in results), default=1)
     lines = [f"# Decode benchmark ({device})", "", f"Command: `{command}`", "",
              "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | steps drafted | p50 ms/token | "
              "p99 ms/token | = target_only |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ratio = r.tokens_per_s / base[r.batch] if r.batch in base else float("nan")
+        ratio = float("nan") if r.ratio_to_target_only is None else r.ratio_to_target_only
         al = "-" if r.accept_len is None else f"{r.accept_len:.2f}"
         vp = "-" if r.verified_per_accepted is None else f"{r.verified_per_accepted:.2f}"
         ds = "-" if r.drafted_step_frac is None else f"{100 * r.drafted_step_frac:.0f}%"
@@ -266,6 +307,9 @@ def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, 
         lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | {ds} | "
                      f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} | {same} |")
     lines += ["", "`= target_only`: share of requests whose greedy tokens equal target-only decoding's in this run."]
+    if repeats > 1:
+        lines += ["", f"Each system ran {repeats} rounds in rotating order; tokens/s is the median run's and "
+                  "`x target_only` the median of the per-round ratios; the other columns come from the median run."]
     (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(results, out_dir / f"{name}.png")
     return report

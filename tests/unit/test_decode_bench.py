@@ -39,3 +39,29 @@ def test_fixed_shape_steps_are_counted_and_stay_token_identical():
     assert [r.system for r in results] == ["target_only", "spec_fixed"]
     assert all(r.static_step_frac == 1.0 for r in results), [r.static_step_frac for r in results]
     assert results[1].identical_to_target_only == 1.0
+
+
+def test_repeats_rotate_the_order_and_report_medians_and_paired_ratios(tmp_path, monkeypatch):
+    import dspark.engine.bench as bench
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    order, real = [], bench._run_system
+
+    def recording(system, *args, **kwargs):
+        order.append(system)
+        return real(system, *args, **kwargs)
+    monkeypatch.setattr(bench, "_run_system", recording)
+    results = decode_benchmark(target, drafter, [[7, 8, 9], [10, 11, 12, 13, 14]], [2], max_tokens=5,
+                               systems=("target_only", "spec_fixed", "hf_generate"), repeats=3)
+    assert order == ["target_only", "spec_fixed", "hf_generate", "spec_fixed", "hf_generate", "target_only",
+                     "hf_generate", "target_only", "spec_fixed"]
+    by = {r.system: r for r in results}
+    for r in results:
+        assert len(r.tokens_per_s_runs) == 3 and r.tokens_per_s == sorted(r.tokens_per_s_runs)[1]
+    assert by["target_only"].ratio_to_target_only == 1.0
+    base = by["target_only"].tokens_per_s_runs
+    paired = sorted(a / b for a, b in zip(by["spec_fixed"].tokens_per_s_runs, base))
+    assert by["spec_fixed"].ratio_to_target_only == paired[1]
+    assert by["spec_fixed"].identical_to_target_only == 1.0
+    write_decode_results(results, tmp_path, "decode", "test", "cpu")
+    assert "3 rounds in rotating order" in (tmp_path / "decode.md").read_text()
