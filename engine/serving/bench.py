@@ -120,19 +120,21 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_re
 
 def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
           num_requests: int | None = None, temperature: float | None = None, log=print) -> list[dict]:
-    rows = []
+    """Every concurrency level runs each system back to back (the order alternating between
+    levels), so the pair compared at a level ran minutes apart on the same host state."""
     for system in systems:
-        model = SYSTEMS[system]
-        run_level(url, model, prompts[:1], 1, 1, min(max_tokens, 8), temperature)  # warm-up
-        for c in concurrencies:
+        run_level(url, SYSTEMS[system], prompts[:1], 1, 1, min(max_tokens, 8), temperature)  # warm-up
+    rows = []
+    for i, c in enumerate(concurrencies):
+        for system in (systems if i % 2 == 0 else systems[::-1]):
             n = num_requests or max(2 * c, 4)
-            results, wall = run_level(url, model, prompts, c, n, max_tokens, temperature)
+            results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
             row = summarize(system, c, results, wall)
             rows.append(row)
             log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
                 f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
                 f"accept_len {row['accept_len']}  failed {row['failed']}")
-    return rows
+    return sorted(rows, key=lambda r: (systems.index(r["system"]), r["concurrency"]))
 
 
 # reports -----------------------------------------------------------------------------------

@@ -53,3 +53,18 @@ def test_report_files_and_speedup_table(tmp_path):
 def test_server_rss_covers_a_process_tree():
     assert bench.server_rss_mb(os.getpid()) > 0
     assert bench.server_rss_mb(None) is None
+
+
+def test_sweep_runs_the_systems_back_to_back_per_level_in_alternating_order(monkeypatch):
+    calls = []
+
+    def fake_level(url, model, prompts, concurrency, num_requests, max_tokens, temperature):
+        calls.append((model, concurrency, num_requests))
+        return [result(0.0, 0.1, 1.1, max_tokens)], 1.0
+    monkeypatch.setattr(bench, "run_level", fake_level)
+    rows = bench.sweep("u", ["p"], [1, 4, 16], ["spec", "target_only"], 8, log=lambda *_: None)
+    spec, base = bench.SYSTEMS["spec"], bench.SYSTEMS["target_only"]
+    assert calls == [(spec, 1, 1), (base, 1, 1),  # warm-ups
+                     (spec, 1, 4), (base, 1, 4), (base, 4, 8), (spec, 4, 8), (spec, 16, 32), (base, 16, 32)]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [
+        ("spec", 1), ("spec", 4), ("spec", 16), ("target_only", 1), ("target_only", 4), ("target_only", 16)]
