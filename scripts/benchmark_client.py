@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated sweep")
     ap.add_argument("--systems", default="spec,target_only", help="spec (ensemble), target_only (ensemble_target_only)")
-    ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 4)")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 12)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=None, help="default: greedy")
     ap.add_argument("--out", default="docs/benchmarks/serving", help="output path without suffix")

@@ -118,6 +118,9 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_re
     return results, wall
 
 
+MIN_REQUESTS = 12  # per level: a few requests at concurrency 1 last seconds, too short for a noisy host
+
+
 def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
           num_requests: int | None = None, temperature: float | None = None, log=print) -> list[dict]:
     """Every concurrency level runs each system back to back (the order alternating between
@@ -127,7 +130,7 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
     rows = []
     for i, c in enumerate(concurrencies):
         for system in (systems if i % 2 == 0 else systems[::-1]):
-            n = num_requests or max(2 * c, 4)
+            n = num_requests or max(2 * c, MIN_REQUESTS)
             results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
             row = summarize(system, c, results, wall)
             rows.append(row)

@@ -64,7 +64,8 @@ def test_sweep_runs_the_systems_back_to_back_per_level_in_alternating_order(monk
     monkeypatch.setattr(bench, "run_level", fake_level)
     rows = bench.sweep("u", ["p"], [1, 4, 16], ["spec", "target_only"], 8, log=lambda *_: None)
     spec, base = bench.SYSTEMS["spec"], bench.SYSTEMS["target_only"]
+    n = bench.MIN_REQUESTS
     assert calls == [(spec, 1, 1), (base, 1, 1),  # warm-ups
-                     (spec, 1, 4), (base, 1, 4), (base, 4, 8), (spec, 4, 8), (spec, 16, 32), (base, 16, 32)]
+                     (spec, 1, n), (base, 1, n), (base, 4, n), (spec, 4, n), (spec, 16, 32), (base, 16, 32)]
     assert [(r["system"], r["concurrency"]) for r in rows] == [
         ("spec", 1), ("spec", 4), ("spec", 16), ("target_only", 1), ("target_only", 4), ("target_only", 16)]
