@@ -2,9 +2,10 @@
 
 One ``step()``:
 1. admit queued requests into free slots (requests join between steps);
-2. prefill: requests still reading their prompt run one chunk (``prefill_chunk`` tokens)
-   so a long prompt never stalls the running batch for more than one chunk; a request
-   whose prompt is done samples its first token from the target;
+2. prefill: requests still reading their prompt run one chunk each (at most
+   ``prefill_chunk`` tokens, and ``prefill_tokens`` over all of them, oldest first), so a
+   long prompt or a burst of arrivals never stalls the running batch for more than one
+   chunk; a request whose prompt is done samples its first token from the target;
 3. decode: unless the drafting gate (``draft_gate.py``) predicts that a plain step is
    faster on this hardware, the drafter proposes a block for every decoding request, the verify-length
    policy picks how many drafts each request verifies (``l_r``), the target runs the
@@ -56,7 +57,10 @@ class EngineConfig:
     threshold: float = 0.3  # for the static threshold policy
     max_batch: int = 64
     max_context: int = 2048
-    prefill_chunk: int = 256
+    prefill_chunk: int = 256  # most prompt tokens of one request per step
+    # most prompt tokens of all requests per step (0: no limit): a burst of new requests then
+    # prefills over several steps, oldest first, and the running ones decode in between
+    prefill_tokens: int = 1024
     seed: int = 0
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
@@ -101,6 +105,9 @@ class SpecEngine:
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, sps=None, sts_temperatures=None):
         self.cfg = config or EngineConfig()
+        if self.cfg.prefill_chunk < 1 or self.cfg.prefill_tokens < 0:
+            raise ValueError(f"need prefill_chunk >= 1 and prefill_tokens >= 0, got {self.cfg.prefill_chunk}, "
+                             f"{self.cfg.prefill_tokens}")
         if self.cfg.mode not in ("spec", "target_only"):
             raise ValueError(f"mode must be spec or target_only, got {self.cfg.mode!r}")
         if self.cfg.mode == "spec" and drafter is None:
@@ -245,9 +252,23 @@ class SpecEngine:
                     self.draft_runner.reset(r.slot)
                 self._active.append(r)
 
+    def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
+        """(request, prompt tokens this step) in admission order, within ``prefill_tokens``;
+        the oldest request always gets a chunk, so prefill never stalls."""
+        budget = self.cfg.prefill_tokens or sum(len(r.prompt) for r in reqs)
+        out = []
+        for r in reqs:
+            n = min(self.cfg.prefill_chunk, len(r.prompt) - r.prefilled, max(budget, 0 if out else 1))
+            if n <= 0:
+                break
+            out.append((r, n))
+            budget -= n
+        return out
+
     def _prefill(self, reqs: list[_Request]) -> None:
-        chunk = self.cfg.prefill_chunk
-        toks = [r.prompt[r.prefilled:r.prefilled + chunk] for r in reqs]
+        chunks = self._prefill_chunks(reqs)
+        reqs = [r for r, _ in chunks]
+        toks = [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks]
         out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None,
                                   last_logits_only=True)
         done = []

@@ -115,3 +115,43 @@ def test_cancel_and_stop_tokens_end_requests_cleanly():
     eng.run_until_done()
     assert fin["s"] == "stop" and outs["s"] == ref["x"][: ref["x"].index(stop_tok) + 1]
     assert fin["c"] == "cancelled" and len(outs["c"]) < 50
+
+
+def test_a_prefill_token_budget_spreads_a_burst_over_steps_without_changing_outputs():
+    """Eight prompts arrive at once; with 16 prompt tokens per step they prefill oldest first over
+    several steps, a request that already decodes keeps emitting every step, and every greedy
+    output equals the unbudgeted engine's."""
+    target = make_tiny_target()
+    torch.manual_seed(3)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    jobs = [(0, "early", [7, 8, 9], SamplingParams(max_tokens=20))]
+    jobs += [(2, f"b{i}", list(range(10 + i, 22 + i)), SamplingParams(max_tokens=6)) for i in range(8)]
+    free, _ = _run_in_flight(SpecEngine(target, drafter, EngineConfig(mode="spec", max_batch=9, prefill_tokens=0)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", max_batch=9, prefill_chunk=8, prefill_tokens=16))
+    firsts: dict[str, int] = {}
+    emitted_at: list[int] = []
+    step = [0]
+    prefill = engine._prefill
+
+    def counting_prefill(reqs):
+        chunks = engine._prefill_chunks(reqs)
+        assert sum(n for _, n in chunks) <= 16 and len(chunks) >= 1
+        prefill(reqs)
+    engine._prefill = counting_prefill
+    real_step = engine.step
+
+    def stepping():
+        before = len(engine._active[0].generated) if engine._active and engine._active[0].rid == "early" else None
+        real_step()
+        for r in engine._active:
+            if r.generated and r.rid not in firsts:
+                firsts[r.rid] = step[0]
+        if before is not None and engine._active and engine._active[0].rid == "early":
+            emitted_at.append(len(engine._active[0].generated) - before)
+        step[0] += 1
+    engine.step = stepping
+    budgeted, _ = _run_in_flight(engine, jobs)
+    assert budgeted == free
+    burst = [firsts[f"b{i}"] for i in range(8) if f"b{i}" in firsts]
+    assert len(set(burst)) > 1 and burst == sorted(burst)  # spread over steps, oldest first
+    assert emitted_at and all(n >= 1 for n in emitted_at)  # the running request never waits on the burst
