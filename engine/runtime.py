@@ -503,7 +503,8 @@ class SpecEngine:
 
 
 def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: str = "algorithm1",
-                device: str = "cpu", max_batch: int = 64, max_context: int = 2048):
+                device: str = "cpu", max_batch: int = 64, max_context: int = 2048,
+                prefill_chunk: int = EngineConfig.prefill_chunk, prefill_tokens: int = EngineConfig.prefill_tokens):
     """Build an engine from an engine directory (``dspark build`` output) or the embedded target.
 
     ``engine_dir`` holds ``engine.json`` naming the target profile, the drafter checkpoint
@@ -546,5 +547,6 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     if scheduler in ("algorithm1", "async") and sps is None:
         log.warning("no SPS table in %s: falling back to fixed-length verification", engine_dir)
         scheduler = "fixed"
-    cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context)
+    cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context,
+                       prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
     return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)
