@@ -350,6 +350,36 @@ class SpecEngine:
             return list(range(R))
         return sorted(sorted(range(R), key=lambda i: reqs[i].last_drafted)[:n])
 
+    def _draft(self, reqs: list[_Request], rows: list[int], anchors: torch.Tensor, temps: torch.Tensor):
+        """Drafts for ``reqs[rows]`` and every request's verify length (0 outside ``rows``)
+        -> (lens [R], drafts [R, K], the proposal, per-row raw confidence logits or None)."""
+        R = len(reqs)
+        sub = [reqs[i] for i in rows]
+        idx = torch.tensor(rows)
+        self._flush_draft_context(sub)
+        prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device), self._gen)
+        conf_rows: list[list[float] | None] = [None] * R
+        confidence = torch.zeros(R, self.K)  # rows that do not draft verify nothing (cap 0 below)
+        if prop.conf_logits is not None:
+            cl = prop.conf_logits.float().cpu()
+            if self.cfg.record_rounds:
+                for i, c in zip(rows, cl):
+                    conf_rows[i] = c.tolist()
+            if self.sts is not None:
+                cl = cl / self.sts[: cl.shape[1]].clamp(min=1e-4)
+            confidence[idx] = torch.sigmoid(cl)
+        else:
+            confidence[idx] = 1.0
+        cap = torch.zeros(R, dtype=torch.long)
+        cap[idx] = self._max_lens(sub)
+        # the policy sees the whole batch: its token count sets the step's cost
+        lens = self.policy(confidence, cap, [r.rid for r in reqs]).cpu()
+        drafts = torch.zeros(R, self.K, dtype=torch.long)
+        drafts[idx] = prop.tokens.cpu()
+        for r in sub:
+            r.last_drafted = self.stats["rounds"]
+        return lens, drafts, prop, conf_rows
+
     def _decode(self, reqs: list[_Request]) -> None:
         R = len(reqs)
         slots = [r.slot for r in reqs]
@@ -357,33 +387,12 @@ class SpecEngine:
         temps = torch.tensor([r.params.temperature for r in reqs])
         rows = self._rows_to_draft(reqs)
         drafting = bool(rows)
-        conf_rows: list[list[float] | None] = [None] * R
-        lens = torch.zeros(R, dtype=torch.long)
-        drafts = torch.zeros(R, self.K, dtype=torch.long)
         if drafting:
-            sub = [reqs[i] for i in rows]
-            idx = torch.tensor(rows)
-            self._flush_draft_context(sub)
-            prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device), self._gen)
-            confidence = torch.zeros(R, self.K)  # rows that do not draft verify nothing (cap 0 below)
-            if prop.conf_logits is not None:
-                cl = prop.conf_logits.float().cpu()
-                for i, c in zip(rows, cl):
-                    conf_rows[i] = c.tolist()
-                if self.sts is not None:
-                    cl = cl / self.sts[: cl.shape[1]].clamp(min=1e-4)
-                confidence[idx] = torch.sigmoid(cl)
-            else:
-                confidence[idx] = 1.0
-            cap = torch.zeros(R, dtype=torch.long)
-            cap[idx] = self._max_lens(sub)
-            # the policy sees the whole batch: its token count sets the step's cost
-            lens = self.policy(confidence, cap, [r.rid for r in reqs]).cpu()
-            drafts[idx] = prop.tokens.cpu()
-            for r in sub:
-                r.last_drafted = self.stats["rounds"]
-        elif self.draft_runner is not None:
-            self.stats["skipped_draft_steps"] += 1
+            lens, drafts, prop, conf_rows = self._draft(reqs, rows, anchors, temps)
+        else:
+            lens, drafts, conf_rows = torch.zeros(R, dtype=torch.long), torch.zeros(R, 0, dtype=torch.long), [None] * R
+            if self.draft_runner is not None:
+                self.stats["skipped_draft_steps"] += 1
         L = int(lens.max()) if R else 0
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
         out = self.runner.forward(slots, toks, need_features=self.drafter is not None)
