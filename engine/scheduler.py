@@ -290,7 +290,12 @@ class AsyncScheduler(VerifyLengthPolicy):
             lens = top_capacity_lens(confidence, cap, capacity)
             self.last_mode = "async"
         self.last_capacity = capacity
-        self._history.append((index, confidence.detach().to("cpu", torch.float64).clone()))
+        # only rows that may verify carry confidences worth remembering: a row held at cap 0
+        # (it did not draft this step, or has no room) must not read as a hopeless request later
+        live = (cap > 0).cpu()
+        kept = [rid for rid, ok in zip(ids, live.tolist()) if ok]
+        self._history.append(({rid: i for i, rid in enumerate(kept)},
+                              confidence.detach().to("cpu", torch.float64)[live].clone()))
         return lens
 
 

@@ -260,3 +260,20 @@ def test_policies_check_shapes():
         policy(torch.rand(3, K), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="request_ids"):
         policy(torch.rand(3, K), request_ids=["a"])
+
+
+def test_async_history_ignores_rows_held_at_cap_zero():
+    """Rows that did not draft (cap 0, zero confidence) on an old step stand in as the mean of
+    the rows that did, instead of counting as requests whose drafts never survive."""
+    R = 4
+    sps = _sps(R * (K + 1), 0.02)
+    high = torch.full((R, K), 0.97)
+    probe = high.clone()
+    probe[2:] = 0.0
+    cap = torch.tensor([K, K, 0, 0])
+    policy = AsyncScheduler(sps)
+    ids = ["a", "b", "c", "d"]
+    policy(probe, cap, ids)  # step 0: c and d did not draft
+    policy(high, None, ids)
+    policy(high, None, ids)  # step 2: capacity from step 0
+    assert policy.last_capacity == int(schedule_prefix(high, sps, early_stop=False).sum())
