@@ -199,9 +199,7 @@ def _run_system(system: str, target, drafter, ps: list[list[int]], params: Sampl
                          sts_temperatures=sts)
     # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks
     run_engine(eng, ps[:1], dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
-    res = run_engine(eng, ps, params, batch, system, out)
-    del eng  # free its caches (and CUDA graphs) before the next system allocates its own
-    return res
+    return run_engine(eng, ps, params, batch, system, out)  # the engine (caches, CUDA graphs) is freed on return
 
 
 def _summarise(runs: dict[str, list[SystemResult]], outputs: dict[str, list[list[int]]]) -> list[SystemResult]:

@@ -43,6 +43,8 @@ class TargetRunner:
         self.n_heads = target.config.num_attention_heads
         self.n_kv = getattr(target.config, "num_key_value_heads", None) or self.n_heads
         self.layer_ids = list(target.profile.layer_ids)
+        # decided once: the per-layer call on the hot path must not re-inspect the modules
+        self.gated_mlp = all(_is_gated_mlp(layer.mlp) for layer in self.layers)
         self.max_slots = max_slots
         self.max_context = max_context
         p = next(target.model.parameters())
@@ -182,12 +184,15 @@ class TargetRunner:
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling,
                                            enable_gqa=self.n_heads != self.n_kv)
         h = h + project(attn.o_proj, o.transpose(1, 2).reshape(B, Q, -1))
-        return h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
+        x = layer.post_attention_layernorm(h)
+        return h + (_gated_mlp(layer.mlp, x) if self.gated_mlp else layer.mlp(x))
 
 
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The gated MLP (Llama / Qwen / Gemma layout) through ``cpu_linear.project``; any other
-    MLP runs as its own module."""
-    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return mlp(x)
+def _is_gated_mlp(mlp: torch.nn.Module) -> bool:
+    """The gated MLP layout of Llama / Qwen / Gemma (``_gated_mlp`` can run it)."""
+    return all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _gated_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)`` for a gated MLP, its projections through ``cpu_linear.project``."""
     return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
