@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .draft_vocab import DraftVocabError
 from .jsonfile import read_json_file
 from .models import DrafterConfig, build_drafter
 
@@ -93,7 +94,10 @@ def load_checkpoint(path: Path, target) -> tuple[nn.Module, DrafterConfig, dict]
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{weights}: unreadable or truncated safetensors file ({exc})") from None
     model = drafter_for_state(cfg, target, state, str(weights), CheckpointError)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except DraftVocabError as exc:
+        raise CheckpointError(f"{weights}: bad draft_ids ({exc})") from None
     return model.eval(), cfg, meta
 
 

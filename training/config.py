@@ -31,6 +31,7 @@ class TargetProfile:
     block_size: int = 7
     draft_layers: int = 1
     markov_rank: int = 128
+    draft_vocab: int = 0  # drafters predict over this many frequent target ids; 0 = all (training/draft_vocab.py)
 
 
 @dataclass
@@ -217,6 +218,8 @@ def validate_target_profile(p: TargetProfile) -> None:
         raise ConfigError(f"target {p.name}: layer_ids must be non-empty and distinct, got {p.layer_ids}")
     if p.block_size < 1 or p.block_size > 32:
         raise ConfigError(f"target {p.name}: block_size must be in [1, 32], got {p.block_size}")
+    if p.draft_vocab < 0:
+        raise ConfigError(f"target {p.name}: draft_vocab must be >= 0 (0 = the whole vocabulary), got {p.draft_vocab}")
 
 
 def load_run_config(path_or_name: str | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -22,13 +22,16 @@ from .cpu_linear import project
 class MarkovHead(nn.Module):
     """Bigram correction of the block logits from the previous token (vanilla or RNN)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str = "vanilla"):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str = "vanilla",
+                 prev_vocab_size: int | None = None):
+        """``vocab_size``: the logits' (draft) vocabulary; ``prev_vocab_size``: ids ``x_{k-1}``
+        may take (one more than ``vocab_size`` with a draft vocabulary: its out-of-vocabulary row)."""
         super().__init__()
         if kind not in ("vanilla", "rnn"):
             raise ValueError(f"markov head kind must be vanilla or rnn, got {kind!r}")
         self.kind = kind
         self.rank = rank
-        self.w1 = nn.Embedding(vocab_size, rank)
+        self.w1 = nn.Embedding(prev_vocab_size or vocab_size, rank)
         self.w2 = nn.Linear(rank, vocab_size, bias=False)
         nn.init.normal_(self.w1.weight, std=0.02)
         nn.init.zeros_(self.w2.weight)  # starts as the identity correction: DFlash behaviour

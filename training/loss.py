@@ -5,6 +5,10 @@ conf_weight * BCE(c_k, c*_k)`` with the confidence target
 ``c*_k = clamp(1 - 0.5 * ||p_d - p_t||_1, 0, 1)`` (the total-variation acceptance
 probability), detached. The L1 term is *not* halved. DFlash: CE only. Eagle3: soft CE
 against the target distribution, step k weighted ``step_decay**k``.
+
+With a draft vocabulary (``draft_ids``, training/draft_vocab.py) the drafter's logits cover
+those ids only; the target's probability outside them counts fully in the L1 distance (the
+drafter puts no mass there), and cross-entropy skips labels outside them.
 """
 from __future__ import annotations
 
@@ -19,9 +23,45 @@ def position_weights(K: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-torch.arange(K, dtype=torch.float32, device=device) / gamma)
 
 
-def confidence_target(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
-    """c* = clamp(1 - 0.5 * ||p_d - p_t||_1, 0, 1), detached. [..., V] -> [...]."""
-    return (1.0 - 0.5 * (p_d - p_t).abs().sum(-1)).clamp(0.0, 1.0).detach()
+def confidence_target(p_d: torch.Tensor, p_t: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """c* = clamp(1 - 0.5 * ||p_d - p_t||_1, 0, 1), detached. [..., V] -> [...]; ``outside``:
+    target mass beyond the draft vocabulary (part of the L1 distance)."""
+    return (1.0 - 0.5 * l1_distance(p_d, p_t, outside)).clamp(0.0, 1.0).detach()
+
+
+def l1_distance(p_d: torch.Tensor, p_t: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    """||p_d - p_t||_1 over the last axis, plus the target mass outside the draft vocabulary."""
+    l1 = (p_d - p_t).abs().sum(-1)
+    return l1 if outside is None else l1 + outside
+
+
+@dataclass
+class DraftView:
+    """Target quantities seen from the draft vocabulary."""
+    p_t: torch.Tensor  # [..., N] target probabilities at the draft ids
+    outside: torch.Tensor | None  # [...] target mass outside them (None: full vocabulary)
+    labels: torch.Tensor | None  # [...] labels as draft indices (clamped into range)
+    in_vocab: torch.Tensor | None  # [...] bool, the label is a draft id
+
+
+def draft_view(p_t: torch.Tensor, labels: torch.Tensor | None, draft_ids: torch.Tensor | None) -> DraftView:
+    """p_t [..., V], labels [...] target ids (negative = none) -> their draft-vocabulary view."""
+    labels = labels.clamp(min=0) if labels is not None else None
+    if draft_ids is None:
+        in_vocab = torch.ones_like(labels, dtype=torch.bool) if labels is not None else None
+        return DraftView(p_t, None, labels, in_vocab)
+    p_in = p_t.index_select(-1, draft_ids)
+    outside = (1.0 - p_in.sum(-1)).clamp(min=0.0)
+    if labels is None:
+        return DraftView(p_in, outside, None, None)
+    idx = torch.searchsorted(draft_ids, labels).clamp(max=draft_ids.numel() - 1)
+    return DraftView(p_in, outside, idx, draft_ids[idx] == labels)
+
+
+def _argmax_ids(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The drafter's greedy token as a target id."""
+    top = logits.argmax(-1)
+    return top if draft_ids is None else draft_ids[top]
 
 
 @dataclass
@@ -40,17 +80,18 @@ def _weighted_mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def block_loss(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                conf_logits: torch.Tensor | None, ce_weight: float, l1_weight: float, conf_weight: float,
-               gamma: float) -> LossTerms:
-    """logits/target_logits [..., K, V]; labels/valid [..., K]; conf_logits [..., K] or None."""
+               gamma: float, draft_ids: torch.Tensor | None = None) -> LossTerms:
+    """logits [..., K, N] (N = V without a draft vocabulary), target_logits [..., K, V];
+    labels (target ids) / valid [..., K]; conf_logits [..., K] or None."""
     K = logits.shape[-2]
     w = position_weights(K, gamma, logits.device) * valid.float()  # [..., K]
     logp_d = F.log_softmax(logits.float(), dim=-1)
     p_d = logp_d.exp()
-    p_t = F.softmax(target_logits.float(), dim=-1)
-    ce = -logp_d.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    l1_tok = (p_d - p_t).abs().sum(-1)
-    c_star = confidence_target(p_d, p_t)
-    ce_m = _weighted_mean(ce, w)
+    view = draft_view(F.softmax(target_logits.float(), dim=-1), labels, draft_ids)
+    ce = -logp_d.gather(-1, view.labels.unsqueeze(-1)).squeeze(-1)
+    l1_tok = l1_distance(p_d, view.p_t, view.outside)
+    c_star = confidence_target(p_d, view.p_t, view.outside)
+    ce_m = _weighted_mean(ce, w * view.in_vocab.float())
     l1_m = _weighted_mean(l1_tok, w)
     conf_m = logits.new_zeros(())
     if conf_logits is not None:
@@ -60,26 +101,28 @@ def block_loss(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.
     vf = valid.float().reshape(-1, K)
     denom = vf.sum(0).clamp(min=1)
     accept_est = (c_star.reshape(-1, K) * vf).sum(0) / denom
-    match = (logits.argmax(-1) == target_logits.argmax(-1)).float().reshape(-1, K)
+    match = (_argmax_ids(logits, draft_ids) == target_logits.argmax(-1)).float().reshape(-1, K)
     top1 = (match * vf).sum(0) / denom
     return LossTerms(total=total, ce=ce_m.detach(), l1=l1_m.detach(), conf=conf_m.detach(),
                      accept_est=accept_est.detach(), top1_match=top1.detach())
 
 
 def eagle_loss(step_logits: torch.Tensor, step_target_logits: torch.Tensor, valid: torch.Tensor,
-               step_decay: float) -> LossTerms:
-    """Soft CE per unrolled step: step_logits/targets [S, N, T, V], valid [S, N, T]."""
+               step_decay: float, draft_ids: torch.Tensor | None = None) -> LossTerms:
+    """Soft CE per unrolled step: step_logits [S, N, T, n] over the draft vocabulary,
+    step_target_logits [S, N, T, V], valid [S, N, T]."""
     S = step_logits.shape[0]
     logp_d = F.log_softmax(step_logits.float(), dim=-1)
-    p_t = F.softmax(step_target_logits.float(), dim=-1)
+    view = draft_view(F.softmax(step_target_logits.float(), dim=-1), None, draft_ids)
+    p_t = view.p_t
     soft_ce = -(p_t * logp_d).sum(-1)  # [S, N, T]
     vf = valid.float()
     per_step = (soft_ce * vf).sum((1, 2)) / vf.sum((1, 2)).clamp(min=1)
     weights = step_decay ** torch.arange(S, dtype=torch.float32, device=step_logits.device)
     total = (weights * per_step).sum() / weights.sum()
-    c_star = confidence_target(logp_d.exp(), p_t)
+    c_star = confidence_target(logp_d.exp(), p_t, view.outside)
     accept_est = (c_star * vf).sum((1, 2)) / vf.sum((1, 2)).clamp(min=1)
-    match = (step_logits.argmax(-1) == step_target_logits.argmax(-1)).float()
+    match = (_argmax_ids(step_logits, draft_ids) == step_target_logits.argmax(-1)).float()
     top1 = (match * vf).sum((1, 2)) / vf.sum((1, 2)).clamp(min=1)
     zero = total.new_zeros(())
     return LossTerms(total=total, ce=total.detach(), l1=zero, conf=zero,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from .checkpoint import load_checkpoint, read_meta, save_checkpoint
 from .config import RunConfig
 from .data import FeatureCache, Record, iterate_batches, read_records
+from .draft_vocab import choose_draft_vocab
 from .loss import LossTerms, block_loss, eagle_loss
 from .models import build_drafter, drafter_config_for
 
@@ -105,7 +106,7 @@ def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     target_logits = core.lm_head(last.to(core.lm_head.weight.dtype)).view(*safe.shape, -1)
     lc = cfg.algo.loss
     return block_loss(out.logits, target_logits, labels, valid, out.conf_logits,
-                      lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma)
+                      lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma, draft_ids_of(core))
 
 
 def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
@@ -123,9 +124,23 @@ def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     h = hidden.gather(2, anchors.unsqueeze(0).expand(S, -1, -1).unsqueeze(-1).expand(-1, -1, -1, hidden.shape[-1]))
     src = (pred - 1).clamp(max=T - 1)
     last = b.last.unsqueeze(0).expand(S, -1, -1, -1).gather(2, src.unsqueeze(-1).expand(-1, -1, -1, b.last.shape[-1]))
-    logits = core.lm_head(h)
+    logits = core.draft_head(h)
     target_logits = core.lm_head(last.to(core.lm_head.weight.dtype))
-    return eagle_loss(logits, target_logits, valid, cfg.algo.loss.step_decay)
+    return eagle_loss(logits, target_logits, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
+
+
+def draft_ids_of(drafter: nn.Module) -> torch.Tensor | None:
+    return drafter.draft_ids if drafter.cfg.draft_vocab_size else None
+
+
+def new_drafter(cfg: RunConfig, target, records: list[Record], n_train: int) -> nn.Module:
+    """A fresh drafter; with ``target.draft_vocab`` its vocabulary comes from the training records."""
+    drafter = build_drafter(drafter_config_for(cfg, target), target)
+    if drafter.cfg.draft_vocab_size:
+        train = records[:n_train]
+        drafter.set_draft_vocab(choose_draft_vocab((r.answer_ids for r in train), (r.prompt_ids for r in train),
+                                                   drafter.cfg.draft_vocab_size, target.vocab_size))
+    return drafter
 
 
 class _TrainForward(nn.Module):
@@ -220,7 +235,7 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
     device = resolve_device(cfg.train.device)
     dtype = resolve_dtype(cfg.train.dtype, device)
     records, n_train, cache = _training_data(cfg, target)
-    drafter = build_drafter(drafter_config_for(cfg, target), target).to(device=device)
+    drafter = new_drafter(cfg, target, records, n_train).to(device=device)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt, sched = _optimizer(params, cfg)
@@ -298,7 +313,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         if rank == 0:
             log.info("resuming from %s at step %d", last_ckpt, start_step)
     else:
-        drafter = build_drafter(dcfg, target)
+        drafter = new_drafter(cfg, target, records, n_train)
     drafter = drafter.to(device=device)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -111,6 +111,15 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
                          f"({drafter_dir}/drafter.json); the block size is fixed at training time")
     if dcfg.algo == "eagle3" and set(items) & {"onnx", "hf", "trtllm", "trt"}:
         raise BuildError("eagle3 drafters have no block-drafter export; build targets are for dspark/dflash")
+    skipped: dict[str, dict] = {}
+    if dcfg.draft_vocab_size and set(items) & {"hf", "trtllm"}:
+        # the reference layout (and TensorRT-LLM's loader) drafts over the full vocabulary
+        reason = (f"the drafter predicts over a {dcfg.draft_vocab_size}-token draft vocabulary, which the reference "
+                  "HF layout cannot express; train with target.draft_vocab=0 for the HF / TensorRT-LLM export")
+        if what is not None:
+            raise BuildError(f"--what hf/trtllm: {reason}")
+        skipped = {w: {"status": "skipped", "reason": reason} for w in ("hf", "trtllm") if w in items}
+        items = [w for w in items if w not in skipped]
     if (out / "engine.json").exists() and not force:
         raise BuildError(f"{out} already holds an engine (engine.json); pass --force to overwrite")
     sps_table = sts_cal = None
@@ -152,7 +161,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
 
     K = dcfg.block_size
     n_tokens = max_batch * (K + 1)
-    built: dict[str, dict] = {}
+    built: dict[str, dict] = dict(skipped)
     failure: BaseException | None = None
     if "onnx" in items:
         from .onnx_export import export_onnx
@@ -193,9 +202,10 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
         "target": {"identity": target.identity(), "source": profile.source, "weights": weights},
         "drafter": dataclasses.asdict(dcfg), "drafter_step": dmeta.get("step"),
         "shapes": {"max_batch": max_batch, "max_context": max_context, "block_size": K, "vocab_size": dcfg.vocab_size,
+                   "draft_vocab_size": dcfg.draft_vocab_size or dcfg.vocab_size,
                    "hidden_size": dcfg.hidden_size, "aux_width": dcfg.num_aux_layers * dcfg.hidden_size,
                    "schedule_max_tokens": n_tokens},
-        "dtypes": {"build": dtype, "onnx": "float32", "hf": dtype if "hf" in built else None,
+        "dtypes": {"build": dtype, "onnx": "float32", "hf": dtype if "hf" in items else None,
                    "trt": dtype if "trt" in items else None},
         "what": items, "built": built, "tools": tool_versions(),
         "files": mf.hash_files(out),

@@ -75,6 +75,9 @@ def _to_reference(name: str) -> str:
 def _check_exportable(cfg) -> None:
     if cfg.algo not in ("dspark", "dflash"):
         raise ExportError(f"the reference layout holds block drafters (dspark, dflash), not {cfg.algo!r}")
+    if getattr(cfg, "draft_vocab_size", 0):
+        raise ExportError("a drafter over a draft vocabulary has no counterpart in the reference layout "
+                          "(it drafts over the full vocabulary); train with target.draft_vocab=0")
     if cfg.markov_head not in ("vanilla", "none"):
         raise ExportError(f"markov_head={cfg.markov_head!r} has no counterpart in the reference layout "
                           "(its RNN head is parameterised differently); export vanilla or none")

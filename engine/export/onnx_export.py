@@ -14,9 +14,11 @@ anchor_pos            [R] int64         its position (usually == ctx_lens)
 ====================  ================  =====================================================
 output                shape             meaning
 ====================  ================  =====================================================
-draft_tokens          [R, K] int64      greedy drafts, left to right through the Markov head
-draft_logits          [R, K, V] f32     corrected logits U_k + W2(W1[x_{k-1}]) the drafts came from
-                                        (draft probabilities = softmax(draft_logits / T))
+draft_tokens          [R, K] int64      greedy drafts (target ids), left to right through the Markov head
+draft_logits          [R, K, N] f32     corrected logits U_k + W2(W1[x_{k-1}]) the drafts came from
+                                        (draft probabilities = softmax(draft_logits / T)); N = V,
+                                        or the draft vocabulary's size: entry i is target id
+                                        ``draft_ids[i]`` (the checkpoint's tensor, in the manifest)
 conf_logits           [R, K] f32        confidence-head logits (before STS)
 confidence            [R, K] f32        sigmoid(conf_logits / sts_temperature_k)
 verify_lens           [R] int64         DSparkSchedule plugin node (report Alg. 1) on ``confidence``
@@ -91,8 +93,8 @@ class DraftStep(nn.Module):
         own = torch.ones_like(bpos, dtype=torch.bool).unsqueeze(-1).expand(-1, -1, K)  # [R, K, K]
         mask = torch.cat([valid.unsqueeze(1).expand(-1, K, -1), own], dim=-1)  # [R, K, T+K]
         hidden = d.block_hidden(blk, bpos, ctx_kv, mask)  # [R, K, d]
-        base = d.lm_head(hidden).float()  # [R, K, V]
-        prev, state = anchor, None
+        base = d.draft_head(hidden).float()  # [R, K, N]
+        prev, state = d.to_draft(anchor), None
         tokens, logits, confs = [], [], []
         for k in range(K):
             step = base[:, k]
@@ -109,7 +111,7 @@ class DraftStep(nn.Module):
             tokens.append(x)
             logits.append(step)
             prev = x
-        out = (torch.stack(tokens, 1), torch.stack(logits, 1))
+        out = (d.to_target(torch.stack(tokens, 1)), torch.stack(logits, 1))
         if self.has_conf:
             conf_logits = torch.stack(confs, 1)
             out = out + (conf_logits, torch.sigmoid(conf_logits * self.inv_sts))

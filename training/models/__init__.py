@@ -30,6 +30,7 @@ def drafter_config_for(run_cfg, target) -> DrafterConfig:
         markov_head=algo.markov_head if algo.algo == "dspark" else "none",
         markov_rank=run_cfg.target.markov_rank,
         confidence_head=bool(algo.confidence_head) and algo.algo == "dspark",
+        draft_vocab_size=run_cfg.target.draft_vocab if run_cfg.target.draft_vocab < target.vocab_size else 0,
     )
 
 

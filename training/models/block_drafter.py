@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..cpu_linear import project
+from ..draft_vocab import scatter_to_vocab
 from ..heads import ConfidenceHead, MarkovHead
 from .layers import TargetTiedDrafter
 
@@ -33,6 +34,7 @@ class DrafterConfig:
     markov_head: str  # vanilla | rnn | none
     markov_rank: int
     confidence_head: bool
+    draft_vocab_size: int = 0  # 0: draft over the target's whole vocabulary (training/draft_vocab.py)
 
 
 @dataclass
@@ -48,7 +50,9 @@ class BlockDrafter(TargetTiedDrafter):
     def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
         super().__init__(cfg, hf_config, embed, lm_head)
         d = cfg.hidden_size
-        self.markov = MarkovHead(cfg.vocab_size, d, cfg.markov_rank, cfg.markov_head) if cfg.markov_head != "none" else None
+        n = cfg.draft_vocab_size or cfg.vocab_size
+        self.markov = (MarkovHead(n, d, cfg.markov_rank, cfg.markov_head, n + 1 if cfg.draft_vocab_size else n)
+                       if cfg.markov_head != "none" else None)
         rank = cfg.markov_rank if self.markov is not None else 0
         self.confidence = ConfidenceHead(d, rank) if cfg.confidence_head else None
 
@@ -78,11 +82,12 @@ class BlockDrafter(TargetTiedDrafter):
         return out
 
     def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> BlockOutput:
-        """Teacher-forced heads: hidden [..., K, d], prev_tokens x_{k-1} [..., K]."""
-        logits = project(self.lm_head, hidden)
+        """Teacher-forced heads: hidden [..., K, d], prev_tokens x_{k-1} [..., K] (target ids).
+        Logits are over the draft vocabulary."""
+        logits = project(self.draft_head, hidden)
         conf = None
         if self.markov is not None:
-            feat, emb = self.markov.features(prev_tokens, hidden)
+            feat, emb = self.markov.features(self.to_draft(prev_tokens), hidden)
             logits = logits + self.markov.bias(feat)
         else:
             emb = hidden.new_zeros(hidden.shape[:-1] + (0,))
@@ -126,7 +131,8 @@ class BlockDrafter(TargetTiedDrafter):
 
         anchor/anchor_pos [R]; ctx_kv per layer [R, Hkv, T, hd]; ctx_valid [R, T] bool;
         temperature [R] (0 = greedy drafts). Draft probabilities are those of the
-        corrected logits at the request's temperature (what rejection sampling needs).
+        corrected logits at the request's temperature (what rejection sampling needs), over
+        the target's vocabulary; drafts are target ids.
         """
         K = self.cfg.block_size
         R = anchor.shape[0]
@@ -135,7 +141,7 @@ class BlockDrafter(TargetTiedDrafter):
         mask = torch.cat([ctx_valid.unsqueeze(1).expand(R, K, -1),
                           torch.ones(R, K, K, dtype=torch.bool, device=anchor.device)], dim=-1)
         hidden = self.block_hidden(blk, pos, ctx_kv, mask)  # [R, K, d]
-        base = project(self.lm_head, hidden).float()  # [R, K, V]
+        base = project(self.draft_head, hidden).float()  # [R, K, N]
         return sample_sequential(self, base, hidden, anchor, temperature, generator)
 
 
@@ -169,12 +175,15 @@ def draw(probs: torch.Tensor, temperature: torch.Tensor, generator: torch.Genera
 
 def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                       temperature: torch.Tensor, generator: torch.Generator | None) -> Proposal:
-    """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}]))."""
+    """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}])).
+
+    ``base`` [R, K, N] are the parallel logits over the draft vocabulary; the proposal is
+    mapped to target ids and target-vocabulary probabilities."""
     R, K, V = base.shape
     tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
     probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
     confs = [] if model.confidence is not None else None
-    prev = anchor
+    prev = model.to_draft(anchor)
     state = None
     for k in range(K):
         logits = base[:, k]
@@ -192,4 +201,14 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
         tokens[:, k] = x
         probs[:, k] = p
         prev = x
-    return Proposal(tokens=tokens, probs=probs, conf_logits=torch.stack(confs, -1) if confs is not None else None)
+    return to_target_vocab(model, Proposal(tokens=tokens, probs=probs,
+                                           conf_logits=torch.stack(confs, -1) if confs is not None else None))
+
+
+def to_target_vocab(model, proposal: Proposal) -> Proposal:
+    """A proposal over the draft vocabulary -> target ids and target-vocabulary probabilities."""
+    if not model.cfg.draft_vocab_size:
+        return proposal
+    return Proposal(tokens=model.to_target(proposal.tokens),
+                    probs=scatter_to_vocab(proposal.probs, model.draft_ids, model.lm_head.weight.shape[0]),
+                    conf_logits=proposal.conf_logits)

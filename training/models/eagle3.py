@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..cpu_linear import project
-from .block_drafter import DrafterConfig, Proposal, draft_distribution, draw
+from .block_drafter import DrafterConfig, Proposal, draft_distribution, draw, to_target_vocab
 from .layers import TargetTiedDrafter
 
 
@@ -89,19 +89,19 @@ class Eagle3Drafter(TargetTiedDrafter):
         """
         K = self.cfg.block_size
         R = last_hidden.shape[0]
-        V = self.lm_head.weight.shape[0]
+        V = self.draft_vocab_size
         tokens = torch.empty(R, K, dtype=torch.long, device=last_hidden.device)
         probs = torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
         h = last_hidden
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            p = draft_distribution(project(self.lm_head, self.norm(h)).float(), temperature)
+            p = draft_distribution(project(self.draft_head, self.norm(h)).float(), temperature)
             x = draw(p, temperature, generator)
             tokens[:, k], probs[:, k] = x, p
             if k == K - 1:
                 break
-            xin = self.entry(h.unsqueeze(1), x.unsqueeze(1))
+            xin = self.entry(h.unsqueeze(1), self.to_target(x).unsqueeze(1))
             pos = (next_pos + k).unsqueeze(1)
             mask = torch.cat([valid, torch.ones(R, 1, dtype=torch.bool, device=valid.device)], dim=-1).unsqueeze(1)
             out, kv = self.run_layers(xin, pos, [tuple(kv_) for kv_ in keys], mask)
@@ -110,4 +110,4 @@ class Eagle3Drafter(TargetTiedDrafter):
                 keys[li][1] = torch.cat([keys[li][1], kv[li][1]], dim=2)
             valid = torch.cat([valid, torch.ones(R, 1, dtype=torch.bool, device=valid.device)], dim=-1)
             h = out[:, 0]
-        return Proposal(tokens=tokens, probs=probs, conf_logits=None)
+        return to_target_vocab(self, Proposal(tokens=tokens, probs=probs, conf_logits=None))

@@ -148,7 +148,13 @@ class TargetTiedDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(self.shape) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
         self.rope = Rope(hf_config)
-        self._frozen = {"embed": embed, "lm_head": lm_head}
+        self._frozen = {"embed": embed, "lm_head": lm_head, "draft_head": lm_head}
+        self._to_draft: torch.Tensor | None = None  # target id -> draft index (a draft vocabulary only)
+        if cfg.draft_vocab_size:
+            # the ids are data (chosen from the training records), saved with the weights
+            self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size, device=lm_head.weight.device))
+            self.register_load_state_dict_post_hook(lambda module, _keys: module.set_draft_vocab(module.draft_ids))
+            self.set_draft_vocab(self.draft_ids)
 
     @property
     def embed(self) -> nn.Embedding:
@@ -156,7 +162,42 @@ class TargetTiedDrafter(nn.Module):
 
     @property
     def lm_head(self) -> nn.Linear:
+        """The target's LM head (full vocabulary)."""
         return self._frozen["lm_head"]
+
+    @property
+    def draft_head(self) -> nn.Linear:
+        """The LM head the drafter predicts with: the target's rows at ``draft_ids`` (all of them
+        without a draft vocabulary). Frozen, never saved."""
+        return self._frozen["draft_head"]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.draft_head.weight.shape[0]
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Draft over the target ids ``ids`` (sorted, ``cfg.draft_vocab_size`` of them)."""
+        from ..draft_vocab import check_draft_ids, target_to_draft
+
+        V = self.lm_head.weight.shape[0]
+        ids = ids.to(device=self.lm_head.weight.device, dtype=torch.long)
+        check_draft_ids(ids, self.cfg.draft_vocab_size, V)
+        with torch.no_grad():
+            self.draft_ids.copy_(ids)
+            head = nn.Linear(self.lm_head.in_features, ids.numel(), bias=False,
+                             device=ids.device, dtype=self.lm_head.weight.dtype)
+            head.weight.copy_(self.lm_head.weight.index_select(0, ids))
+        head.requires_grad_(False)
+        self._frozen["draft_head"] = head
+        self._to_draft = target_to_draft(ids, V)
+
+    def to_draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft indices (``draft_vocab_size`` for an id outside the draft vocabulary)."""
+        return tokens if self._to_draft is None else self._to_draft.to(tokens.device)[tokens]
+
+    def to_target(self, indices: torch.Tensor) -> torch.Tensor:
+        """Draft indices -> target ids."""
+        return indices if self._to_draft is None else self.draft_ids.to(indices.device)[indices]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features [N, T, m*d] -> fused context [N, T, d]."""
