@@ -160,7 +160,10 @@ def cmd_calibrate(args) -> None:
     cfg, target, drafter = _run_target_drafter(args)
     out = Path(args.output) if args.output else cfg.run_dir / "sts.json"
     summary = calibrate(target, drafter, held_out_prompts(cfg, target, args.prompts), cfg.eval.max_new_tokens,
-                        cfg.eval.seed, out)
+                        cfg.eval.seed, out, report_fraction=args.report_fraction)
+    if args.docs:
+        from dspark.engine.calibrate import write_calibration_docs
+        write_calibration_docs(summary, Path(args.docs), "dspark " + " ".join(sys.argv[1:]))
     print(f"{'pos':>3} {'ECE before':>10} {'ECE after':>9} {'AUC':>6} {'Brier after':>11}")
     for p in summary["positions"]:
         print(f"{p['position'] + 1:>3} {p['ece_before']:>10.4f} {p['ece_after']:>9.4f} {p['auc_after']:>6.3f} {p['brier_after']:>11.4f}")
@@ -257,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint")
     p.add_argument("--prompts", type=int, default=12, help="held-out prompts to decode")
     p.add_argument("--output", help="STS JSON path (default: <run>/sts.json)")
+    p.add_argument("--report-fraction", type=float, default=0.0,
+                   help="share of the prompts kept out of the fit and reported on (0: report in sample)")
+    p.add_argument("--docs", help="also write calibration.json / calibration.md into this folder")
     p.set_defaults(fn=cmd_calibrate)
     p = sub.add_parser("bench", help="decode benchmark: ours vs target-only vs transformers generate()")
     _common(p)

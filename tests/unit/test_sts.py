@@ -201,3 +201,33 @@ def test_sts_scores_each_position_only_on_rounds_that_verified_it(overconfident)
     assert [r.n for r in report] == [n, n, n - n // 2, n - n // 2, n - n // 2]
     with pytest.raises(ValueError, match="exceed"):
         fit_sts(z, acc, num_proposed=prop)
+
+
+def test_calibrate_reports_out_of_sample_on_prompts_the_fit_never_saw(tmp_path):
+    import json
+
+    from dspark.engine.calibrate import calibrate, write_calibration_docs
+    from dspark.training.models import build_drafter, drafter_config_for
+
+    from ..conftest import make_tiny_target, tiny_run_config
+
+    target = make_tiny_target()
+    torch.manual_seed(0)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target).eval()
+    with torch.no_grad():
+        drafter.confidence.proj.weight.normal_(0, 0.5)
+    prompts = ["abc", "hello", "xyz!", "spec"]
+    summary = calibrate(target, drafter, prompts, max_new_tokens=12, seed=0, out=tmp_path / "sts.json",
+                        report_fraction=0.5)
+    assert summary["fit"]["prompts"] == 2 and summary["report"] == {
+        "prompts": 2, "rounds": summary["rounds"] - summary["fit"]["rounds"], "out_of_sample": True}
+    assert 0 < summary["fit"]["rounds"] < summary["rounds"]
+    # the report counts the held-out rounds only (a round capped by max_tokens may verify none)
+    assert 0 < summary["positions"][0]["n"] <= summary["report"]["rounds"]
+    assert (tmp_path / "sts.json").is_file()
+    write_calibration_docs(summary, tmp_path / "docs", "dspark calibrate ...")
+    doc = json.loads((tmp_path / "docs" / "calibration.json").read_text())
+    assert [p["position"] for p in doc["positions"]] == [1, 2, 3, 4]
+    assert "never saw" in (tmp_path / "docs" / "calibration.md").read_text()
+    with pytest.raises(ValueError):
+        calibrate(target, drafter, prompts[:1], 4, 0, tmp_path / "x.json", report_fraction=0.5)
