@@ -399,7 +399,10 @@ class SpecEngine:
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        if L > 0:
+        if L > 0 and prop.probs is None:  # every drafting row is greedy (verification takes None as one-hot)
+            draft_probs = None if not bool((temps > 0).any()) else \
+                torch.zeros(R, L, target_logits.shape[-1], device=target_logits.device)  # sampled rows verify none
+        elif L > 0:
             draft_probs = prop.probs[:, :L].float()
             if len(rows) < R:  # rows that did not draft have verify length 0: their probabilities are never read
                 full = draft_probs.new_zeros((R,) + draft_probs.shape[1:])

@@ -178,3 +178,18 @@ def test_scatter_puts_each_probability_at_its_target_id():
     p = torch.tensor([[0.25, 0.75]])
     out = scatter_to_vocab(p, torch.tensor([3, 5]), 8)
     assert out.tolist() == [[0, 0, 0, 0.25, 0, 0.75, 0, 0]]
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_an_all_greedy_batch_carries_no_draft_distributions_and_a_mixed_one_does(algo):
+    target = make_tiny_target()
+    engine = SpecEngine(target, _drafter(target, algo), EngineConfig(mode="spec", adaptive_drafting=False))
+    seen = []
+    inner = engine.draft_runner.propose
+    engine.draft_runner.propose = lambda *a, **k: seen.append(inner(*a, **k)) or seen[-1]
+    run_to_completion(engine, [("g", [7, 8, 9], SamplingParams(max_tokens=8))])
+    assert seen and all(p.probs is None for p in seen)
+    seen.clear()
+    run_to_completion(engine, [("g", [7, 8, 9], SamplingParams(max_tokens=8)),
+                               ("s", [7, 8], SamplingParams(max_tokens=8, temperature=1.0, seed=0))])
+    assert any(p.probs is not None and p.probs.shape[0] == 2 for p in seen)

@@ -148,7 +148,8 @@ class BlockDrafter(TargetTiedDrafter):
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [R, K] drafts
-    probs: torch.Tensor  # [R, K, V] distributions the drafts were drawn from
+    probs: torch.Tensor | None  # [R, K, V] distributions the drafts were drawn from; None when every
+    # row is greedy (one-hot at the drafts, which verification assumes for None)
     conf_logits: torch.Tensor | None  # [R, K]
 
 
@@ -173,6 +174,16 @@ def draw(probs: torch.Tensor, temperature: torch.Tensor, generator: torch.Genera
     return x
 
 
+def pick(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None,
+         all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row -> (tokens [R], their distributions [R, V] or None for an all-greedy batch,
+    which skips a softmax and a one-hot over the vocabulary per position)."""
+    if all_greedy:
+        return logits.argmax(-1), None
+    p = draft_distribution(logits, temperature)
+    return draw(p, temperature, generator), p
+
+
 def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                       temperature: torch.Tensor, generator: torch.Generator | None) -> Proposal:
     """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}])).
@@ -180,8 +191,9 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
     ``base`` [R, K, N] are the parallel logits over the draft vocabulary; the proposal is
     mapped to target ids and target-vocabulary probabilities."""
     R, K, V = base.shape
+    all_greedy = not bool((temperature > 0).any())
     tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
-    probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
+    probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=base.device)
     confs = [] if model.confidence is not None else None
     prev = model.to_draft(anchor)
     state = None
@@ -196,10 +208,10 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
             emb = hidden.new_zeros(R, 0)
         if confs is not None:
             confs.append(model.confidence(hidden[:, k], emb))
-        p = draft_distribution(logits, temperature)
-        x = draw(p, temperature, generator)
+        x, p = pick(logits, temperature, generator, all_greedy)
         tokens[:, k] = x
-        probs[:, k] = p
+        if probs is not None:
+            probs[:, k] = p
         prev = x
     return to_target_vocab(model, Proposal(tokens=tokens, probs=probs,
                                            conf_logits=torch.stack(confs, -1) if confs is not None else None))
@@ -210,5 +222,6 @@ def to_target_vocab(model, proposal: Proposal) -> Proposal:
     if not model.cfg.draft_vocab_size:
         return proposal
     return Proposal(tokens=model.to_target(proposal.tokens),
-                    probs=scatter_to_vocab(proposal.probs, model.draft_ids, model.lm_head.weight.shape[0]),
+                    probs=None if proposal.probs is None else
+                    scatter_to_vocab(proposal.probs, model.draft_ids, model.lm_head.weight.shape[0]),
                     conf_logits=proposal.conf_logits)

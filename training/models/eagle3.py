@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..cpu_linear import project
-from .block_drafter import DrafterConfig, Proposal, draft_distribution, draw, to_target_vocab
+from .block_drafter import DrafterConfig, Proposal, pick, to_target_vocab
 from .layers import TargetTiedDrafter
 
 
@@ -90,15 +90,17 @@ class Eagle3Drafter(TargetTiedDrafter):
         K = self.cfg.block_size
         R = last_hidden.shape[0]
         V = self.draft_vocab_size
+        all_greedy = not bool((temperature > 0).any())
         tokens = torch.empty(R, K, dtype=torch.long, device=last_hidden.device)
-        probs = torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
+        probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
         h = last_hidden
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            p = draft_distribution(project(self.draft_head, self.norm(h)).float(), temperature)
-            x = draw(p, temperature, generator)
-            tokens[:, k], probs[:, k] = x, p
+            x, p = pick(project(self.draft_head, self.norm(h)).float(), temperature, generator, all_greedy)
+            tokens[:, k] = x
+            if probs is not None:
+                probs[:, k] = p
             if k == K - 1:
                 break
             xin = self.entry(h.unsqueeze(1), self.to_target(x).unsqueeze(1))
