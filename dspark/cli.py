@@ -209,7 +209,11 @@ def cmd_build(args) -> None:
     except (BuildError, EngineDirError, TrtBuildError, SpsTableError, StsCalibrationError) as exc:
         print(f"dspark build: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    print(f"engine: {args.output} (built {', '.join(m['built'])}; {len(m['files'])} files hashed in engine.json)")
+    built = [k for k, v in m["built"].items() if v.get("status") != "skipped"]
+    print(f"engine: {args.output} (built {', '.join(built)}; {len(m['files'])} files hashed in engine.json)")
+    for k, v in m["built"].items():
+        if v.get("status") == "skipped":
+            print(f"skipped {k}: {v['reason']}")
 
 
 def cmd_profiles(_args) -> None:
@@ -290,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--block-size", type=int, help="must equal the drafter's block size (checked)")
-    p.add_argument("--what", default="onnx,hf,trtllm", help="comma list of onnx,hf,trtllm,trt")
+    p.add_argument("--what", default=None,
+                   help="comma list of onnx,hf,trtllm,trt (default onnx,hf,trtllm; hf and trtllm are skipped "
+                        "for a drafter over a draft vocabulary)")
     p.add_argument("--sps", help="SPS table JSON to copy in (dspark profile)")
     p.add_argument("--sts", help="STS calibration JSON to copy in (dspark calibrate)")
     p.add_argument("--plugin-lib", help="libdspark_trt_plugin.so for --what ...,trt")

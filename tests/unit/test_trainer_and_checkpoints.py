@@ -34,16 +34,34 @@ def _cfg(tmp_path, algo, name, steps, save_every):
     return cfg
 
 
-@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
-def test_resuming_after_interruption_gives_the_same_weights(tmp_path, algo):
+@pytest.mark.parametrize("algo,draft_vocab", [("dspark", 0), ("eagle3", 0), ("dspark", 24), ("eagle3", 24)])
+def test_resuming_after_interruption_gives_the_same_weights(tmp_path, algo, draft_vocab):
     target, records = make_tiny_target(), _records()
-    full = train(_cfg(tmp_path, algo, "full", 6, 6), target, records, progress=False)
+    full_cfg = _cfg(tmp_path, algo, "full", 6, 6)
+    full_cfg.target.draft_vocab = draft_vocab
+    full = train(full_cfg, target, records, progress=False)
     part_cfg = _cfg(tmp_path, algo, "part", 6, 100)
+    part_cfg.target.draft_vocab = draft_vocab
     train(part_cfg, target, records, progress=False, stop_after=3)  # interrupted after 3 steps
     resumed = train(part_cfg, target, records, progress=False)
     a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=f"{k} differs after resume")
+
+
+def test_a_draft_vocabulary_is_chosen_from_the_training_records_only(tmp_path):
+    from dspark.training.draft_vocab import choose_draft_vocab
+
+    target, records = make_tiny_target(), _records()
+    cfg = _cfg(tmp_path, "dspark", "dv", 2, 2)
+    cfg.target.draft_vocab = 20
+    loaded, dcfg, _ = load_checkpoint(train(cfg, target, records, progress=False), target)
+    n_train = int(len(records) * (1 - cfg.data.holdout_fraction))
+    want = choose_draft_vocab([r.answer_ids for r in records[:n_train]], [r.prompt_ids for r in records[:n_train]],
+                              20, target.vocab_size)
+    assert dcfg.draft_vocab_size == 20 and loaded.draft_ids.tolist() == want.tolist()
+    assert want.tolist() != choose_draft_vocab([r.answer_ids for r in records], [r.prompt_ids for r in records],
+                                               20, target.vocab_size).tolist()  # the held-out tail would change it
 
 
 def test_heldout_estimates_are_logged_without_changing_the_training(tmp_path):
