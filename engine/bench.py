@@ -256,8 +256,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int | None = None) -> list[float]:
-    """Median seconds of one drafter pass (``propose``) over R rows of ``context`` positions, per R."""
+def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats: int | None = None,
+                       committed: int = 2) -> list[float]:
+    """Median seconds of the drafter's work on one drafted step, per batch size R: appending the
+    ``committed`` positions per row that the previous step committed (the anchor plus a typical
+    accept) to its context cache, then one pass (``propose``) over R rows of ``context`` positions.
+    The append is part of every drafted step's price, and grows with R like the pass."""
     import statistics
 
     from .draft_runner import make_draft_runner
@@ -275,12 +279,17 @@ def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats
             runner.append([(slot, aux, torch.full((context,), 7))])
         anchors = torch.full((R,), 7, device=p.device)
         temps = torch.zeros(R, device=p.device)
-        runner.propose(list(range(R)), anchors, temps)  # warm-up
+        new = [(slot, torch.randn(committed, aux_dim, generator=gen), torch.full((committed,), 7)) for slot in range(R)]
+
+        def drafted_step() -> None:
+            runner.append(new)
+            runner.propose(list(range(R)), anchors, temps)
+        drafted_step()  # warm-up
         times = []
         for _ in range(repeats):
             _sync(p.device)
             t0 = time.perf_counter()
-            runner.propose(list(range(R)), anchors, temps)
+            drafted_step()
             _sync(p.device)
             times.append(time.perf_counter() - t0)
         seconds.append(statistics.median(times))

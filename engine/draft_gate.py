@@ -8,16 +8,22 @@ the drafter. Before each step the gate compares the expected output rate of
     a drafted step:  R + A tokens  in  draft_time(R) + step_time(R + V)
     a plain step:    R tokens      in  step_time(R)
 
-for R running requests, where A and V are moving averages of the drafts accepted and
-verified per request on past drafted steps. They are realised counts, so the gate also
-works for drafters without a confidence head. When the plain step wins, the engine runs a
-target-only step. Every ``probe``-th skipped step drafts anyway, so the averages follow
-the text (a response can turn predictable halfway through). A probe drafts only
-``probe_rows`` of the running requests (the engine picks those that drafted least
-recently): the averages are per request, so a few rows measure them, and at a large batch
-a full drafter pass costs more than a plain step. The probe interval doubles after each
-probe that does not pay, up to ``max_probe``, which keeps the cost of probing for a
-drafter that never pays under a few percent.
+for R running requests, where A and V estimate the drafts accepted and verified per
+request on drafted steps. Both come from realised counts, so the gate also works for
+drafters without a confidence head, and both are averages over request-steps (rows), not
+over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
+``horizon`` rows. A is shrunk towards zero by ``prior_rows`` imaginary rows that accepted
+nothing: a few lucky rows (a short probe that hit a predictable stretch) must not switch
+the whole batch to drafting, because every wrongly drafted step pays the drafter for
+nothing, while a wrongly skipped one only forgoes a small gain.
+
+When the plain step wins, the engine runs a target-only step. Every ``probe``-th skipped
+step drafts anyway, so the averages follow the text (a response can turn predictable
+halfway through). A probe drafts only ``probe_rows`` of the running requests (the engine
+picks those that drafted least recently): the averages are per request, so a few rows
+measure them, and at a large batch a full drafter pass costs more than a plain step. The
+probe interval doubles after each probe that does not pay, up to ``max_probe``, which
+keeps the cost of probing for a drafter that never pays under a few percent.
 
 Lossless: the decision uses only committed history (past accepted counts), never the
 drafts it gates, so skipping is a verify length of 0 chosen before the drafts exist.
@@ -35,7 +41,7 @@ class DraftGate:
     """Per-step decision: run the drafter or a plain target step (see the module docstring)."""
 
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 64,
-                 smoothing: float = 0.25, probe_rows: int = 4) -> None:
+                 horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4) -> None:
         if not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
@@ -43,21 +49,35 @@ class DraftGate:
             raise ValueError(f"need 1 <= min_probe <= max_probe, got {min_probe}, {max_probe}")
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1, got {probe_rows}")
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not horizon > 1.0:
+            raise ValueError(f"horizon must be > 1 row, got {horizon}")
+        if not prior_rows >= 0.0:
+            raise ValueError(f"prior_rows must be >= 0, got {prior_rows}")
         self.table = table
         self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
-        self.min_probe, self.max_probe, self.smoothing = min_probe, max_probe, smoothing
+        self.min_probe, self.max_probe = min_probe, max_probe
+        self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
+        self.prior_rows = prior_rows
         self.probe_rows = probe_rows
         self.reset()
 
     def reset(self) -> None:
-        self.accepted: float | None = None  # moving average, accepted drafts per request per drafted step
-        self.verified: float | None = None  # moving average, verified drafts per request per drafted step
+        # decayed sums over drafted request-steps: rows, drafts accepted, drafts verified
+        self._rows = self._accepted = self._verified = 0.0
         self.probe = self.min_probe
         self.skipped = 0
         self.drafted_steps = 0
         self.skipped_steps = 0
+
+    @property
+    def accepted(self) -> float | None:
+        """Estimated drafts accepted per request on a drafted step (shrunk towards 0); None before any."""
+        return None if self._rows == 0.0 else self._accepted / (self._rows + self.prior_rows)
+
+    @property
+    def verified(self) -> float | None:
+        """Estimated drafts verified per request on a drafted step; None before any."""
+        return None if self._rows == 0.0 else self._verified / self._rows
 
     def _step_time(self, tokens: int) -> float:
         last = len(self.step_seconds) - 1
@@ -97,10 +117,7 @@ class DraftGate:
         """Record a drafted step: totals over its ``requests`` rows."""
         if requests <= 0:
             return
-        a, v = accepted / requests, verified / requests
-        if self.accepted is None:
-            self.accepted, self.verified = a, v
-        else:
-            s = self.smoothing
-            self.accepted += s * (a - self.accepted)
-            self.verified += s * (v - self.verified)
+        keep = self.keep_per_row ** requests
+        self._rows = keep * self._rows + requests
+        self._accepted = keep * self._accepted + accepted
+        self._verified = keep * self._verified + verified

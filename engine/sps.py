@@ -17,11 +17,13 @@ File format (JSON object, UTF-8), format version 1::
       "created_at": "2026-12-01T10:00:00+00:00",  # ISO 8601
       "meta": {"warmup": 3, "repeats": 10}, # optional: how it was profiled
       "draft_requests": [1, 4, 16, 64],  # optional: drafter pass timed at these batch sizes R
-      "draft_seconds": [0.002, 0.002, 0.003, 0.006]  # optional: seconds per drafter pass at each R
+      "draft_seconds": [0.002, 0.002, 0.003, 0.006]  # optional: seconds of drafter work per drafted step at each R
     }
 
-The two optional ``draft_*`` keys (both or neither) give the cost of the drafter's own pass,
-which runs before the verify step whenever the engine drafts. The scheduler does not need it
+The two optional ``draft_*`` keys (both or neither) give the cost of the drafter's own work
+on a drafted step (``dspark.engine.bench.profile_draft_cost``: extending its context cache,
+then the drafting pass), which runs before the verify step whenever the engine drafts. The
+scheduler does not need it
 (once drafts exist their cost is sunk); ``dspark.engine.draft_gate`` does, to decide whether
 drafting pays at all on this hardware. ``draft_time(R)`` interpolates it like step time.
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
-from dspark.engine.bench import decode_benchmark, profile_target_sps, write_decode_results
+import pytest
+
+from dspark.engine.bench import decode_benchmark, profile_draft_cost, profile_target_sps, write_decode_results
 from dspark.training.models import build_drafter, drafter_config_for
 
 from ..conftest import make_tiny_target, tiny_run_config
@@ -65,3 +67,35 @@ def test_repeats_rotate_the_order_and_report_medians_and_paired_ratios(tmp_path,
     assert by["spec_fixed"].identical_to_target_only == 1.0
     write_decode_results(results, tmp_path, "decode", "test", "cpu")
     assert "3 rounds in rotating order" in (tmp_path / "decode.md").read_text()
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_drafter_cost_covers_the_context_append_and_the_pass(algo, monkeypatch):
+    """`profile_draft_cost` times what a drafted step costs the drafter: extending its context
+    with the committed positions, then one proposal, for every row of the batch."""
+    from dspark.engine import draft_runner
+
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config(algo), target), target)
+    calls: list[tuple[str, int]] = []
+    make = draft_runner.make_draft_runner
+
+    def recording_runner(*args, **kwargs):
+        runner = make(*args, **kwargs)
+        append, propose = runner.append, runner.propose
+
+        def recording_append(rows):
+            calls.append(("append", sum(aux.shape[0] for _, aux, _ in rows)))
+            return append(rows)
+
+        def recording_propose(slots, *a, **k):
+            calls.append(("propose", len(slots)))
+            return propose(slots, *a, **k)
+        runner.append, runner.propose = recording_append, recording_propose
+        return runner
+    monkeypatch.setattr(draft_runner, "make_draft_runner", recording_runner)
+    seconds = profile_draft_cost(drafter, [1, 3], context=8, repeats=2, committed=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    timed = [c for c in calls if c != ("append", 8)]  # drop the context set-up (one 8-position append per row)
+    # per batch size: warm-up + 2 timed steps, each an append of 2 positions per row then a pass over every row
+    assert timed == [("append", 2), ("propose", 1)] * 3 + [("append", 6), ("propose", 3)] * 3

@@ -21,11 +21,47 @@ def _table(draft_seconds: float, verify_slope: float = 0.0) -> SpsTable:
 
 
 def test_gain_is_the_ratio_of_output_rates_of_a_drafted_and_a_plain_step():
-    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64)
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, prior_rows=0.0)
     assert gate.expected_gain(1) == float("inf")  # no history yet: draft to learn
     gate.observe(requests=2, verified=8, accepted=4)  # per request: 4 verified, 2 accepted
     # drafted: 1 + 2 tokens in 0.5 + (1 + 0.1 * 4) s; plain: 1 token in 1 s
     assert gate.expected_gain(1) == pytest.approx(3 * 1.0 / (0.5 + 1.4))
+
+
+def test_acceptance_is_shrunk_towards_zero_by_the_prior_rows():
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, prior_rows=4.0)
+    gate.observe(requests=2, verified=8, accepted=4)
+    assert gate.accepted == pytest.approx(4 / (2 + 4)) and gate.verified == pytest.approx(4.0)
+    assert gate.expected_gain(1) == pytest.approx((1 + 4 / 6) * 1.0 / (0.5 + 1.4))
+
+
+def test_estimates_weigh_rows_not_steps():
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, horizon=16.0, prior_rows=0.0)
+    gate.observe(requests=64, verified=64, accepted=0)  # a full batch: drafting found nothing
+    gate.observe(requests=2, verified=8, accepted=8)  # a small probe that got lucky
+    keep = (1 - 1 / 16) ** 2
+    assert gate.accepted == pytest.approx(8 / (64 * keep + 2))  # the 64 rows still dominate
+    gate.observe(requests=64, verified=64, accepted=128)  # a large step replaces old evidence
+    assert gate.accepted == pytest.approx(2.0, rel=0.02)
+
+
+def test_a_lucky_row_does_not_switch_a_batch_to_drafting():
+    """One row of a 4-row probe accepting a whole block is not evidence that the batch pays."""
+    table = _table(draft_seconds=0.25, verify_slope=0.01)
+    gate = DraftGate(table, max_tokens=64)
+    gate.observe(requests=16, verified=16, accepted=0)
+    gate.observe(requests=4, verified=10, accepted=7)
+    assert gate.expected_gain(16) < 1.0
+    unshrunk = DraftGate(table, max_tokens=64, prior_rows=0.0, horizon=4.0)  # a short memory, no prior
+    unshrunk.observe(requests=16, verified=16, accepted=0)
+    unshrunk.observe(requests=4, verified=10, accepted=7)
+    assert unshrunk.expected_gain(16) > 1.0
+
+
+def test_gate_rejects_bad_settings():
+    for kw in ({"horizon": 1.0}, {"prior_rows": -1.0}, {"probe_rows": 0}, {"min_probe": 0}):
+        with pytest.raises(ValueError):
+            DraftGate(_table(draft_seconds=0.5), max_tokens=64, **kw)
 
 
 def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
