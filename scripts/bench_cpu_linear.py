@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """CPU micro-benchmark: ``F.linear`` against ``W @ x^T`` (``cpu_linear.transposed_linear``)
-at the row counts of decode and verify steps; the table it writes is what
-``cpu_linear.linear`` (called by the target runner and the drafters) picks between.
+at the row counts of decode and verify steps: the two forms ``cpu_linear.linear`` (called by the
+target runner and the drafters) measures at run time and picks between, here side by side
+over many calls, to see which one this host favours and by how much.
 
 Two workloads, with the embedded SmolLM2 target's shapes (random weights: only shapes
 matter for speed):
@@ -12,7 +13,7 @@ matter for speed):
   425 MB), run in order once per call, so every weight streams from memory as in a step.
 
 The two implementations alternate call by call and the median of ``--repeats`` calls is
-kept, so both see the same machine load. Writes ``<out>/cpu_linear.json`` and ``.md``.
+kept, so both see the same machine load. Writes ``<out>/<name>.json`` and ``.md``.
 
     python scripts/bench_cpu_linear.py --out docs/benchmarks      # ~3 min on 2 cores
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dspark.training.cpu_linear import transposed_linear, transposed_pays
+from dspark.training.cpu_linear import MARGIN, MAX_ROWS, transposed_linear
 
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 
@@ -54,12 +55,24 @@ def stack_fn(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], fn):
     return run
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,7,8,16,32,64,128")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--name", default="cpu_linear", help="output file stem")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -74,26 +87,27 @@ def main(argv: list[str] | None = None) -> int:
                                 "transposed": stack_fn(weights, xs, transposed_linear)}, args.repeats)
                 w0, x0 = weights[-1], xs[weights[-1].shape[1]]
                 err = float((F.linear(x0, w0) - transposed_linear(x0, w0)).abs().max())
-                picked = "W @ x^T" if transposed_pays(rows, w0.shape[1], w0.shape[0]) else "F.linear"
+                # the rule linear() applies to its own run-time measurement
+                picked = "W @ x^T" if rows <= MAX_ROWS and ms["F.linear"] > MARGIN * ms["transposed"] else "F.linear"
                 records.append({"workload": name, "rows": rows, "weights_mb": sum(w.numel() for w in weights) * 4 / 2**20,
                                 "f_linear_ms": ms["F.linear"], "transposed_ms": ms["transposed"],
                                 "speedup": ms["F.linear"] / ms["transposed"], "max_abs_diff": err,
                                 "linear_uses": picked})
                 print(f"{name:10s} rows {rows:4d}  F.linear {ms['F.linear']:8.2f} ms  W @ x^T {ms['transposed']:8.2f} ms"
-                      f"  x{records[-1]['speedup']:.2f}  |diff| {err:.1e}  linear() uses {picked}", flush=True)
-    device = f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+                      f"  x{records[-1]['speedup']:.2f}  |diff| {err:.1e}  linear() would pick {picked}", flush=True)
+    device = f"cpu: {cpu_model()} ({torch.get_num_threads()} threads)"
     command = "python " + " ".join(sys.argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_linear.json").write_text(json.dumps(
+    (args.out / f"{args.name}.json").write_text(json.dumps(
         {"command": command, "device": device, "torch": torch.__version__, "repeats": args.repeats,
          "results": records}, indent=2))
     lines = ["# F.linear against W @ x^T on the CPU", "", f"Command: `{command}`", "",
              f"Device: {device}, torch {torch.__version__}, median of {args.repeats} interleaved calls.", "",
-             "| workload | weights MiB | rows | F.linear ms | W @ x^T ms | speed-up | max abs diff | `linear()` uses |",
+             "| workload | weights MiB | rows | F.linear ms | W @ x^T ms | speed-up | max abs diff | `linear()` would pick |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['workload']} | {r['weights_mb']:.0f} | {r['rows']} | {r['f_linear_ms']:.2f} | {r['transposed_ms']:.2f} | "
               f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['linear_uses']} |" for r in records]
-    (args.out / "cpu_linear.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     return 0
 
 
