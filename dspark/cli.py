@@ -185,7 +185,9 @@ def cmd_bench(args) -> None:
                                sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps,
                                repeats=args.repeats)
     import torch
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    from dspark.engine.host import cpu_model
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"cpu: {cpu_model()} ({torch.get_num_threads()} threads)"
     write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
     print((Path(args.output_dir) / f"{args.name}.md").read_text())
 

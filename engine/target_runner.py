@@ -6,6 +6,13 @@ new tokens' K/V at ``length[slot] + i``; the caller then *commits* how many of t
 kept (``set_length``): trimming rejected drafts costs nothing, their entries are simply
 overwritten later.
 
+A ragged step runs its tokens *packed*: the projections, MLPs and LM head see only the
+real tokens (sum of the rows' lengths), and only attention lays them out as [rows, longest
+row]. Padding every row to the longest would make one request verifying 7 drafts cost a
+16-request batch 7 times the tokens, which is not the cost the prefix scheduler is told
+(SPS of the batch's token count). Fixed-shape steps (``forward_static``, CUDA graphs)
+compute their whole grid.
+
 Supported target architectures: the Llama family as implemented by transformers
 (llama, mistral, qwen2, qwen3 incl. q/k norms). The weights are the target's own
 modules; only caching and masking are ours.
@@ -101,9 +108,6 @@ class TargetRunner:
         start = self.lengths[slot_t].clone()
         total = int((start + q_lens).max())
         self._ensure_capacity(total)
-        ids = torch.zeros(R, Q, dtype=torch.long)
-        for r, t in enumerate(tokens):
-            ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
         pos = start.unsqueeze(1) + torch.arange(Q).unsqueeze(0)  # [R, Q]
         q_valid = torch.arange(Q).unsqueeze(0) < q_lens.unsqueeze(1)
         # key t visible to query (r, i) iff t <= start_r + i (causal; older entries are the cache)
@@ -111,29 +115,31 @@ class TargetRunner:
         mask = (key_pos.view(1, 1, total) <= pos.unsqueeze(-1)).to(self.device)  # [R, Q, total]
         rows = slot_t.unsqueeze(1).expand(R, Q)[q_valid]
         gather = None if slots == list(range(R)) else slot_t.to(self.device)
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # packed [N]
         wpos = pos[q_valid]
-        ids, pos_d = ids.to(self.device), pos.to(self.device)
-
-        last, aux = self._stack(ids, pos_d, mask, rows, wpos, q_valid, R, total, need_features, gather)
+        grid = _Grid(R, Q, None if bool(q_valid.all()) else q_valid.to(self.device))
+        last, aux = self._stack(ids, wpos.to(self.device), mask, rows, wpos, grid, total, need_features, gather)
         if last_logits_only:
-            logits = self.target.logits_from_last(last[torch.arange(R), (q_lens - 1).to(self.device)].unsqueeze(1))
+            ends = torch.cumsum(q_lens, 0) - 1  # each row's last token in the packed order
+            logits = self.target.logits_from_last(last[ends.to(self.device)]).unsqueeze(1)
         else:
-            logits = self.target.logits_from_last(last)
-        return RaggedOutput(logits=logits, aux=aux, last=last)
+            logits = grid.unpack(self.target.logits_from_last(last))
+        return RaggedOutput(logits=logits, aux=grid.unpack(aux), last=grid.unpack(last))
 
-    def _stack(self, ids, pos, mask, rows, wpos, q_valid, R, total, need_features, gather=None):
-        """Embedding -> decoder layers (writing the cache) -> final norm; -> (last [R,Q,d], aux [R,Q,m*d])."""
+    def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None):
+        """Embedding -> decoder layers (writing the cache) -> final norm, on packed tokens
+        ``ids [N]`` at positions ``pos [N]``; -> (last [N, d], aux [N, m*d])."""
         dec = self.target.decoder
         h = dec.embed_tokens(ids)
-        cos, sin = dec.rotary_emb(h, pos)
+        cos, sin = (t[0] for t in dec.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0)))
         captured = {}
         for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total, gather)
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather)
             if need_features and li in self.layer_ids:
                 captured[li] = h
         last = dec.norm(h)
         aux = torch.cat([captured[li] for li in self.layer_ids], dim=-1) if need_features \
-            else last.new_zeros(*last.shape[:2], 0)
+            else last.new_zeros(last.shape[0], 0)
         return last, aux
 
     @torch.no_grad()
@@ -156,36 +162,59 @@ class TargetRunner:
         wpos = pos.clamp(max=self.capacity - 1)
         rows = (torch.arange(Rb, device=ids.device) if slots is None else slots).unsqueeze(1).expand(Rb, Q)
         mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
-        last, aux = self._stack(ids, pos, mask, rows, wpos, None, Rb, C, need_features=True, gather=slots)
-        return RaggedOutput(logits=self.target.logits_from_last(last), aux=aux, last=last)
+        grid = _Grid(Rb, Q, None)  # the whole grid: shapes must not depend on the data
+        last, aux = self._stack(ids.reshape(-1), pos.reshape(-1), mask, rows.reshape(-1), wpos.reshape(-1), grid, C,
+                                need_features=True, gather=slots)
+        return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
+                            last=grid.unpack(last))
 
-    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, q_valid, R, total, gather=None):
+    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather=None):
+        """One decoder layer on packed tokens ``h [N, d]``; attention on the [R, Q] grid."""
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        B, Q, _ = x.shape
-        q = project(attn.q_proj, x).view(B, Q, -1, self.head_dim)
-        k = project(attn.k_proj, x).view(B, Q, -1, self.head_dim)
-        v = project(attn.v_proj, x).view(B, Q, -1, self.head_dim)
+        N = x.shape[0]
+        q = project(attn.q_proj, x).view(N, -1, self.head_dim)
+        k = project(attn.k_proj, x).view(N, -1, self.head_dim)
+        v = project(attn.v_proj, x).view(N, -1, self.head_dim)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # write the new entries into the cache rows (q_valid None: all of them, static shapes)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # [N, heads, hd]
+        # write the new entries into the cache rows
         kc, vc = self.k[li], self.v[li]
-        k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)
-        if q_valid is not None:
-            k_new, v_new = k_new[q_valid], v_new[q_valid]
-        kc[rows, :, wpos] = k_new
-        vc[rows, :, wpos] = v_new
+        kc[rows, :, wpos] = k
+        vc[rows, :, wpos] = v
+        R = grid.rows
         if gather is None:  # slots 0..R-1: views of the cache
             keys, vals = kc[:R, :, :total], vc[:R, :, :total]
         else:
             keys, vals = kc[gather, :, :total], vc[gather, :, :total]
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask.unsqueeze(1), scale=attn.scaling,
-                                           enable_gqa=self.n_heads != self.n_kv)
-        h = h + project(attn.o_proj, o.transpose(1, 2).reshape(B, Q, -1))
+        o = F.scaled_dot_product_attention(grid.unpack(q).transpose(1, 2), keys, vals, attn_mask=mask.unsqueeze(1),
+                                           scale=attn.scaling, enable_gqa=self.n_heads != self.n_kv)
+        h = h + project(attn.o_proj, grid.pack(o.transpose(1, 2)).reshape(N, -1))
         x = layer.post_attention_layernorm(h)
         return h + (_gated_mlp(layer.mlp, x) if self.gated_mlp else layer.mlp(x))
+
+
+class _Grid:
+    """Packed tokens [N, ...] <-> the [R, Q, ...] grid of rows padded to the longest.
+
+    ``valid [R, Q]`` marks the real tokens, in row-major order; None means every cell is one
+    (N = R * Q: packing is a reshape, which keeps CUDA graphs and ragged-free steps cheap)."""
+
+    def __init__(self, rows: int, width: int, valid: torch.Tensor | None):
+        self.rows, self.width, self.valid = rows, width, valid
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        if self.valid is None:
+            return x.view(self.rows, self.width, *x.shape[1:])
+        out = x.new_zeros(self.rows, self.width, *x.shape[1:])
+        out[self.valid] = x
+        return out
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        if self.valid is None:
+            return x.reshape(self.rows * self.width, *x.shape[2:])
+        return x[self.valid]
 
 
 def _is_gated_mlp(mlp: torch.nn.Module) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dspark.engine.host import cpu_model
 from dspark.training.cpu_linear import MARGIN, MAX_ROWS, transposed_linear
 
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -53,17 +53,6 @@ def stack_fn(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], fn):
         for w in weights:
             fn(inputs[w.shape[1]], w)
     return run
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..host import cpu_model
 from .client import Result, StreamClient, make_inputs
 
 SYSTEMS = {"spec": "ensemble", "target_only": "ensemble_target_only"}
@@ -142,15 +142,7 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
 
 # reports -----------------------------------------------------------------------------------
 def device_label() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu: {cpu} ({os.cpu_count()} cores)"
+    return f"cpu: {cpu_model()} ({os.cpu_count()} cores)"
 
 
 def markdown(report: dict) -> str:

@@ -122,3 +122,26 @@ def test_prefill_buckets_at_any_slot_match_the_ragged_prefill():
         torch.testing.assert_close(out.aux[i, : len(c)], ragged.aux[i, : len(c)], rtol=1e-5, atol=1e-5)
     assert st.forward([1], [list(range(6, 15))], last_logits_only=True) is not None  # 9 > 8: ragged fallback
     assert st.prefill_replays == 2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_ragged_step_computes_each_row_as_the_model_does_on_its_whole_sequence(model_type):
+    """Rows of different lengths run packed (no padding through the projections): each row's
+    logits and drafter features equal those of the transformers model on that row alone."""
+    target = make_tiny_target(model_type)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    steps = [[7, 8, 9, 10, 11], [12], [13, 14]]
+    runner = TargetRunner(target, max_slots=3, initial_capacity=8, max_context=64)
+    runner.forward([0, 1, 2], prompts, last_logits_only=True)
+    for i, p in enumerate(prompts):
+        runner.set_length(i, len(p))
+    out = runner.forward([0, 1, 2], steps)
+    assert out.logits.shape[:2] == (3, 5) and out.aux.shape[:2] == (3, 5)
+    with torch.no_grad():
+        for r, (p, s) in enumerate(zip(prompts, steps)):
+            full = target.features(torch.tensor([p + s]))
+            ref = target.logits_from_last(full.last)[0, len(p):]
+            torch.testing.assert_close(out.logits[r, : len(s)], ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out.aux[r, : len(s)], full.aux[0, len(p):], atol=1e-4, rtol=1e-4)
+            assert not out.logits[r, len(s):].any()  # padding cells are left empty

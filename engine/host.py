@@ -1,0 +1,17 @@
+"""What machine a benchmark ran on, for its report: CPU results differ between CPU models
+(``training/cpu_linear.py`` found the fastest small-row product reversed between two)."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
