@@ -9,8 +9,8 @@ opposite directions on the two hosts this kit was measured on (``scripts/bench_c
 - AMD EPYC, 2 cores: ``W @ x^T`` (the weight's output dimension as the long side) was
   1.1-3.3x faster for the LM head up to 64 rows, 1.5-1.9x for the decoder layers at
   2-4 rows, 1.5-2.8x for ``W2`` at 1-7 rows;
-- Intel Xeon, 2 cores: ``F.linear`` was faster at every row count (2-3x for the LM head
-  at 1-2 rows, 2.2x for the layers at 1-2 rows).
+- Intel Xeon, 2 cores: ``F.linear`` was faster at almost every row count (2.5-2.9x for the LM head
+  at 1-2 rows, 2.2-2.5x for the layers at 1-2 rows).
 
 So the choice is measured, not hard-coded: the first calls for each (row bucket, inner,
 outer) shape alternate between the two forms on the real weights and inputs (so they see the
