@@ -21,7 +21,7 @@ When the plain step wins, the engine runs a target-only step. Every ``probe``-th
 step drafts anyway, so the averages follow the text (a response can turn predictable
 halfway through). A probe drafts only ``probe_rows`` of the running requests (the engine
 picks those that drafted least recently): the averages are per request, so a few rows
-measure them, and at a large batch a full drafter pass costs more than a plain step. The
+measure them, and at a large batch a full drafter pass is a large share of a step. The
 probe interval doubles after each probe that does not pay, up to ``max_probe``, which
 keeps the cost of probing for a drafter that never pays under a few percent.
 
