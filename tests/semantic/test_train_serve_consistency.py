@@ -35,13 +35,15 @@ def _drafter(target, algo: str, draft_ids: torch.Tensor | None):
     return d
 
 
-@pytest.mark.parametrize("algo, draft_vocab", [("dspark", False), ("dspark", True), ("dflash", False)])
-def test_engine_proposals_match_the_training_forward(algo, draft_vocab):
-    target = make_tiny_target()
-    ids = torch.arange(0, target.vocab_size, 3) if draft_vocab else None  # every third id (the prompts' ids too)
-    drafter = _drafter(target, algo, ids)
-    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=8))
-    seen: list[tuple[list[int], list[int], torch.Tensor]] = []  # (committed tokens, anchor last; drafts; probs)
+def _jobs() -> list[tuple[str, list[int], SamplingParams]]:
+    """Three requests of different prompt lengths, sampled at T=1 so proposals carry distributions."""
+    return [(f"r{i}", list(range(6 + i, 6 + i + n)), SamplingParams(max_tokens=14, temperature=1.0, seed=i))
+            for i, n in enumerate((5, 19, 11))]
+
+
+def _record_proposals(engine) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Wrap the engine's drafter: each proposal as (committed tokens, anchor last; drafts; probs)."""
+    seen: list[tuple[list[int], list[int], torch.Tensor]] = []
     propose = engine.draft_runner.propose
 
     def recording_propose(slots, anchors, *args, **kwargs):
@@ -53,9 +55,25 @@ def test_engine_proposals_match_the_training_forward(algo, draft_vocab):
             seen.append((r.prompt + r.generated, prop.tokens[i].tolist(), prop.probs[i].float()))
         return prop
     engine.draft_runner.propose = recording_propose
-    jobs = [(f"r{i}", list(range(6 + i, 6 + i + n)), SamplingParams(max_tokens=14, temperature=1.0, seed=i)) for i, n in enumerate((5, 19, 11))]
-    run_to_completion(engine, jobs)
+    return seen
+
+
+def _served_proposals(algo: str, draft_vocab: bool):
+    """A tiny target and drafter (over every third id with ``draft_vocab``), run in the engine
+    -> (target, drafter, draft ids or None, recorded proposals)."""
+    target = make_tiny_target()
+    ids = torch.arange(0, target.vocab_size, 3) if draft_vocab else None  # includes the prompts' ids
+    drafter = _drafter(target, algo, ids)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=8))
+    seen = _record_proposals(engine)
+    run_to_completion(engine, _jobs())
     assert len(seen) > 6
+    return target, drafter, ids, seen
+
+
+@pytest.mark.parametrize("algo, draft_vocab", [("dspark", False), ("dspark", True), ("dflash", False)])
+def test_engine_proposals_match_the_training_forward(algo, draft_vocab):
+    target, drafter, ids, seen = _served_proposals(algo, draft_vocab)
     K = drafter.cfg.block_size
     with torch.no_grad():
         for committed, drafts, probs in seen:
@@ -68,3 +86,23 @@ def test_engine_proposals_match_the_training_forward(algo, draft_vocab):
                 trained = scatter_to_vocab(trained, ids, target.vocab_size)
             torch.testing.assert_close(trained, probs[:K], atol=1e-5, rtol=1e-4,
                                        msg=lambda m: f"anchor at {a}: {m}")
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_eagle3_proposals_match_its_training_time_test_unroll(draft_vocab):
+    """The Eagle3 baseline: step k of the training unroll at the position before the anchor
+    (entry (f_{a-1}, x_a)) gives the engine's k-th draft distribution, teacher-forced with
+    the engine's own drafts."""
+    from dspark.training.cpu_linear import project
+
+    target, drafter, ids, seen = _served_proposals("eagle3", draft_vocab)
+    K = drafter.cfg.block_size
+    with torch.no_grad():
+        for committed, drafts, probs in seen:
+            a = len(committed) - 1
+            seq = torch.tensor([committed + drafts])
+            hidden = drafter.forward_train(target.features(seq).aux.float(), seq, steps=K)  # [K, 1, T, d]
+            trained = torch.softmax(project(drafter.draft_head, hidden[:, 0, a - 1]).float(), -1)  # [K, draft vocab]
+            if ids is not None:
+                trained = scatter_to_vocab(trained, ids, target.vocab_size)
+            torch.testing.assert_close(trained, probs[:K], atol=1e-5, rtol=1e-4, msg=lambda m: f"anchor at {a}: {m}")
