@@ -185,9 +185,8 @@ def cmd_bench(args) -> None:
                                sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps,
                                repeats=args.repeats)
     import torch
-    from dspark.engine.host import cpu_model
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"cpu: {cpu_model()} ({torch.get_num_threads()} threads)"
+    from dspark.engine.host import cpu_label
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_label(torch.get_num_threads())
     write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
     print((Path(args.output_dir) / f"{args.name}.md").read_text())
 

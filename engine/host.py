@@ -15,3 +15,8 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_label(threads: int) -> str:
+    """``cpu: <model> (<threads> threads)``, the device field of CPU benchmark reports."""
+    return f"cpu: {cpu_model()} ({threads} threads)"

@@ -399,19 +399,7 @@ class SpecEngine:
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        if L > 0 and prop.probs is None:  # every drafting row is greedy (verification takes None as one-hot)
-            draft_probs = None if not bool((temps > 0).any()) else \
-                torch.zeros(R, L, target_logits.shape[-1], device=target_logits.device)  # sampled rows verify none
-        elif L > 0:
-            draft_probs = prop.probs[:, :L].float()
-            if len(rows) < R:  # rows that did not draft have verify length 0: their probabilities are never read
-                full = draft_probs.new_zeros((R,) + draft_probs.shape[1:])
-                full[torch.tensor(rows, device=full.device)] = draft_probs
-                draft_probs = full
-        elif bool((temps > 0).any()):
-            draft_probs = torch.zeros(R, 0, target_logits.shape[-1], device=target_logits.device)
-        else:
-            draft_probs = None
+        draft_probs = _verify_probs(prop if drafting else None, rows, R, L, temps, target_logits)
         res = self.verify(
             drafts[:, :L].to(target_logits.device), draft_probs, target_logits, lens.to(target_logits.device),
             temps.to(target_logits.device),
@@ -562,3 +550,20 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context,
                        prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
     return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)
+
+
+def _verify_probs(prop, rows: list[int], R: int, L: int, temps: torch.Tensor,
+                  target_logits: torch.Tensor) -> torch.Tensor | None:
+    """Draft distributions [R, L, V] for verification, or None when every request is greedy
+    (verification takes None as one-hot at the drafts). Rows that did not draft, and greedy
+    rows of a proposal without distributions, verify nothing: their entries are never read."""
+    if not bool((temps > 0).any()):
+        return None
+    if L == 0 or prop.probs is None:
+        return target_logits.new_zeros(R, L, target_logits.shape[-1])
+    probs = prop.probs[:, :L].float()
+    if len(rows) < R:
+        full = probs.new_zeros((R,) + probs.shape[1:])
+        full[torch.tensor(rows, device=full.device)] = probs
+        probs = full
+    return probs

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dspark.engine.host import cpu_model
+from dspark.engine.host import cpu_label
 from dspark.training.cpu_linear import MARGIN, MAX_ROWS, transposed_linear
 
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "linear_uses": picked})
                 print(f"{name:10s} rows {rows:4d}  F.linear {ms['F.linear']:8.2f} ms  W @ x^T {ms['transposed']:8.2f} ms"
                       f"  x{records[-1]['speedup']:.2f}  |diff| {err:.1e}  linear() would pick {picked}", flush=True)
-    device = f"cpu: {cpu_model()} ({torch.get_num_threads()} threads)"
+    device = cpu_label(torch.get_num_threads())
     command = "python " + " ".join(sys.argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(
