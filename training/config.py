@@ -49,6 +49,9 @@ class AlgoConfig:
     algo: str = "dspark"  # dspark | dflash | eagle3
     markov_head: str = "vanilla"  # vanilla | rnn | none
     confidence_head: bool = True
+    # the vanilla Markov head starts at zero (DFlash behaviour), or as the training answers'
+    # bigram table (training/markov_init.py)
+    markov_init: str = "zero"  # zero | bigram
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -81,6 +84,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # draft layers start as random weights, or as copies of the target's top decoder layers
+    init_layers: str = "random"  # random | target
     seed: int = 0
     save_every: int = 100
     log_every: int = 10
@@ -254,6 +259,13 @@ def load_run_config(path_or_name: str | None = None, overrides: list[str] | None
         raise ConfigError(f"algo.markov_head must be vanilla, rnn or none, got {cfg.algo.markov_head!r}")
     if cfg.data.features not in ("cache", "online"):
         raise ConfigError(f"data.features must be cache or online, got {cfg.data.features!r}")
+    if cfg.algo.markov_init not in ("zero", "bigram"):
+        raise ConfigError(f"algo.markov_init must be zero or bigram, got {cfg.algo.markov_init!r}")
+    if cfg.algo.markov_init == "bigram" and cfg.algo.algo == "dspark" and cfg.algo.markov_head != "vanilla":
+        raise ConfigError(f"algo.markov_init=bigram starts the vanilla Markov head only, and algo.markov_head is "
+                          f"{cfg.algo.markov_head!r}: add algo.markov_init=zero")
+    if cfg.train.init_layers not in ("random", "target"):
+        raise ConfigError(f"train.init_layers must be random or target, got {cfg.train.init_layers!r}")
     validate_target_profile(cfg.target)
     return cfg
 

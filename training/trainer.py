@@ -22,8 +22,10 @@ from .checkpoint import load_checkpoint, read_meta, save_checkpoint
 from .config import RunConfig
 from .data import FeatureCache, Record, iterate_batches, read_records
 from .draft_vocab import choose_draft_vocab
-from .loss import LossTerms, block_loss, eagle_loss
+from .loss import LossTerms, TargetDist, block_loss, eagle_loss, target_dist
+from .markov_init import init_markov_from_bigrams
 from .models import build_drafter, drafter_config_for
+from .models.layers import copy_target_layers
 
 log = logging.getLogger(__name__)
 MAX_TRAIN_TOKENS = 512
@@ -102,10 +104,10 @@ def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     valid = (tgt_pos < b.lengths.view(N, 1, 1)) & (tgt_pos >= b.prompt_lens.view(N, 1, 1))
     safe = tgt_pos.clamp(max=T - 1)
     labels = b.tokens.gather(1, safe.view(N, -1)).view_as(safe)
-    last = b.last.gather(1, (safe - 1).view(N, -1, 1).expand(-1, -1, b.last.shape[-1]))
-    target_logits = core.lm_head(last.to(core.lm_head.weight.dtype)).view(*safe.shape, -1)
+    rows = torch.arange(N, device=safe.device).view(N, 1, 1)
+    target = target_at(core, b.last, rows, safe - 1)
     lc = cfg.algo.loss
-    return block_loss(out.logits, target_logits, labels, valid, out.conf_logits,
+    return block_loss(out.logits, target, labels, valid, out.conf_logits,
                       lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma, draft_ids_of(core))
 
 
@@ -123,10 +125,25 @@ def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     valid = (pred < b.lengths.view(1, N, 1)) & (pred >= b.prompt_lens.view(1, N, 1))
     h = hidden.gather(2, anchors.unsqueeze(0).expand(S, -1, -1).unsqueeze(-1).expand(-1, -1, -1, hidden.shape[-1]))
     src = (pred - 1).clamp(max=T - 1)
-    last = b.last.unsqueeze(0).expand(S, -1, -1, -1).gather(2, src.unsqueeze(-1).expand(-1, -1, -1, b.last.shape[-1]))
+    target = target_at(core, b.last, torch.arange(N, device=src.device).view(1, N, 1), src)
     logits = core.draft_head(h)
-    target_logits = core.lm_head(last.to(core.lm_head.weight.dtype))
-    return eagle_loss(logits, target_logits, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
+    return eagle_loss(logits, target, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
+
+
+@torch.no_grad()
+def target_at(core: nn.Module, last: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> TargetDist:
+    """The target's next-token distribution from its final hidden states ``last`` [N, T, d] at
+    (``rows``, ``pos``) (broadcast together; any shape), over the drafter's vocabulary.
+
+    Computed once per distinct (row, position) and gathered: overlapping blocks (and Eagle3's
+    unrolled steps) predict the same positions, and the LM head over the full vocabulary plus
+    its softmax is the largest cost of a CPU training step."""
+    N, T, d = last.shape
+    flat = (rows * T + pos).reshape(-1)
+    uniq, inverse = torch.unique(flat, return_inverse=True)
+    hidden = last.reshape(N * T, d).index_select(0, uniq).to(core.lm_head.weight.dtype)
+    dist = target_dist(core.lm_head(hidden), draft_ids_of(core))
+    return dist.take(inverse.view(torch.broadcast_shapes(rows.shape, pos.shape)))
 
 
 def draft_ids_of(drafter: nn.Module) -> torch.Tensor | None:
@@ -136,10 +153,16 @@ def draft_ids_of(drafter: nn.Module) -> torch.Tensor | None:
 def new_drafter(cfg: RunConfig, target, records: list[Record], n_train: int) -> nn.Module:
     """A fresh drafter; with ``target.draft_vocab`` its vocabulary comes from the training records."""
     drafter = build_drafter(drafter_config_for(cfg, target), target)
+    if cfg.train.init_layers == "target":
+        ids = copy_target_layers(drafter.layers, target.layers)
+        log.info("draft layers start from target layers %s", ids)
+    train = records[:n_train]
     if drafter.cfg.draft_vocab_size:
-        train = records[:n_train]
         drafter.set_draft_vocab(choose_draft_vocab((r.answer_ids for r in train), (r.prompt_ids for r in train),
                                                    drafter.cfg.draft_vocab_size, target.vocab_size))
+    if cfg.algo.markov_init == "bigram" and drafter.markov is not None:
+        # the pairs the head predicts: (last prompt token, first answer token), then within answers
+        init_markov_from_bigrams(drafter, (r.prompt_ids[-1:] + r.answer_ids for r in train))
     return drafter
 
 

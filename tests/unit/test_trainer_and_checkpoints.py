@@ -195,3 +195,32 @@ def test_bench_train_refuses_an_unknown_drafter_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="--algos: expected a comma list of dspark, dflash, eagle3; got 'dspark,medusa'"):
         main(["bench-train", "--algos", "dspark,medusa", f"output_root={tmp_path}", "--output-dir", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_draft_layers_can_start_from_the_targets_top_layers(model_type):
+    from dspark.training.trainer import new_drafter
+
+    target, records = make_tiny_target(model_type), _records()
+    cfg = tiny_run_config("dspark")
+    cfg.target.family = model_type
+    cfg.train.init_layers = "target"
+    drafter = new_drafter(cfg, target, records, len(records))
+    src = target.layers[-1]
+    torch.testing.assert_close(drafter.layers[0].q_proj.weight, src.self_attn.q_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, src.mlp.down_proj.weight, rtol=0, atol=0)
+    if model_type == "qwen3":
+        torch.testing.assert_close(drafter.layers[0].k_norm.weight, src.self_attn.k_norm.weight, rtol=0, atol=0)
+    cfg.train.init_layers = "random"
+    fresh = new_drafter(cfg, target, records, len(records))
+    assert not torch.equal(fresh.layers[0].q_proj.weight, src.self_attn.q_proj.weight)
+    with pytest.raises(ConfigError, match="init_layers"):
+        load_run_config(None, ["train.init_layers=pretrained"])
+
+
+def test_copying_more_draft_layers_than_the_target_has_is_refused():
+    from dspark.training.models.layers import copy_target_layers
+
+    target = make_tiny_target()
+    with pytest.raises(ValueError, match="4-layer target"):
+        copy_target_layers(torch.nn.ModuleList([torch.nn.Linear(1, 1)] * 5), target.layers)

@@ -109,3 +109,29 @@ def test_draft_draw_takes_the_argmax_for_greedy_rows_and_samples_the_others():
     expected = torch.softmax(logits[1], -1) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("draft_ids", [None, torch.tensor([0, 3, 5, 9, 17, 40, 63])])
+def test_target_distribution_computed_once_per_position_equals_the_per_slot_one(draft_ids):
+    """Overlapping slots share one LM-head row; the gathered result is the per-slot computation."""
+    from types import SimpleNamespace
+
+    from dspark.training.loss import target_dist
+    from dspark.training.trainer import target_at
+
+    g = torch.Generator().manual_seed(0)
+    lm_head = torch.nn.Linear(16, 64, bias=False)
+    core = SimpleNamespace(lm_head=lm_head, draft_ids=draft_ids,
+                           cfg=SimpleNamespace(draft_vocab_size=0 if draft_ids is None else draft_ids.numel()))
+    last = torch.randn(3, 10, 16, generator=g)
+    pos = torch.randint(0, 10, (3, 5, 4), generator=g)
+    pos[0, 1] = pos[0, 0]  # two blocks predicting the same positions
+    rows = torch.arange(3).view(3, 1, 1)
+    got = target_at(core, last, rows, pos)
+    want = target_dist(lm_head(last.gather(1, pos.view(3, -1, 1).expand(-1, -1, 16))).view(3, 5, 4, 64), draft_ids)
+    torch.testing.assert_close(got.p_t, want.p_t)
+    assert torch.equal(got.argmax, want.argmax)
+    if draft_ids is None:
+        assert got.outside is None
+    else:
+        torch.testing.assert_close(got.outside, want.outside)
