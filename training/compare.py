@@ -113,7 +113,8 @@ def plot_comparison(report: dict, path: Path) -> None:
             ax.bar([j + i * w for j in range(len(tasks))], vals, w, label=d)
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(tasks))], tasks)
         ax.set_title(f"accept_len, T={t:g}")
-        ax.legend()
+        ax.set_ylim(0, 1.25 * max(r["accept_len"] for r in rows))  # headroom: the legend sits above the bars
+        ax.legend(loc="upper right", ncols=len(drafters))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
