@@ -89,7 +89,9 @@ def init_markov_from_bigrams(drafter, sequences: Iterable[Sequence[int]], beta: 
     if head is None or head.kind != "vanilla":
         raise ValueError("a bigram start applies to the vanilla Markov head only "
                          f"(this drafter has {'none' if head is None else head.kind!r})")
-    to_draft = drafter._to_draft.cpu() if drafter._to_draft is not None else None
+    # target id -> draft index for every target id, through the drafter's public mapping
+    to_draft = (drafter.to_draft(torch.arange(drafter.lm_head.weight.shape[0], device=head.w1.weight.device)).cpu()
+                if drafter.cfg.draft_vocab_size else None)
     w1, w2 = bigram_factors(sequences, head.w1.num_embeddings, head.w2.out_features, head.rank,
                             to_draft=to_draft, beta=beta)
     with torch.no_grad():

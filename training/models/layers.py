@@ -206,31 +206,34 @@ class TargetTiedDrafter(nn.Module):
 
 def copy_target_layers(layers: nn.ModuleList, target_layers: nn.ModuleList) -> list[int]:
     """Start draft layers from the target's top decoder layers (draft layer i <- target layer
-    L - n + i): the drafter predicts what those layers compute, so their weights are a far better
-    start than random ones when the training budget is small. Returns the target layer ids used.
+    L - n + i), the layers nearest to what the drafter predicts. On SmolLM2 this was within the
+    noise of random weights (docs/benchmarks/train_probe_recipe.md); it is an option, not the
+    default. Returns the target layer ids used.
 
     The target layers follow transformers' decoder-layer naming (``self_attn.{q,k,v,o}_proj``,
-    optional ``self_attn.{q,k}_norm``, ``mlp``, the two layer norms); a target whose layers do not
-    have the draft layer's shapes is refused rather than half copied."""
+    optional ``self_attn.{q,k}_norm``, ``mlp``, the two layer norms). Every shape is checked
+    before anything is copied, so a target that does not fit is refused, not half copied."""
     n, L = len(layers), len(target_layers)
     if n > L:
         raise ValueError(f"cannot start {n} draft layers from a {L}-layer target")
     ids = list(range(L - n, L))
+    pairs = []  # (draft module, target module, target layer id)
     for draft, i in zip(layers, ids):
         src = target_layers[i]
         attn = src.self_attn
-        pairs = [(draft.q_proj, attn.q_proj), (draft.k_proj, attn.k_proj), (draft.v_proj, attn.v_proj),
-                 (draft.o_proj, attn.o_proj), (draft.input_layernorm, src.input_layernorm),
-                 (draft.post_attention_layernorm, src.post_attention_layernorm),
-                 (draft.mlp.gate_proj, src.mlp.gate_proj), (draft.mlp.up_proj, src.mlp.up_proj),
-                 (draft.mlp.down_proj, src.mlp.down_proj)]
+        mods = [(draft.q_proj, attn.q_proj), (draft.k_proj, attn.k_proj), (draft.v_proj, attn.v_proj),
+                (draft.o_proj, attn.o_proj), (draft.input_layernorm, src.input_layernorm),
+                (draft.post_attention_layernorm, src.post_attention_layernorm),
+                (draft.mlp.gate_proj, src.mlp.gate_proj), (draft.mlp.up_proj, src.mlp.up_proj),
+                (draft.mlp.down_proj, src.mlp.down_proj)]
         if draft.s.qk_norm:
-            pairs += [(draft.q_norm, attn.q_norm), (draft.k_norm, attn.k_norm)]
-        for dst, s in pairs:
-            if dst.weight.shape != s.weight.shape:
-                raise ValueError(f"target layer {i}: {type(s).__name__} weight {tuple(s.weight.shape)} does not fit "
-                                 f"the draft layer's {tuple(dst.weight.shape)}")
-        with torch.no_grad():
-            for dst, s in pairs:
-                dst.weight.copy_(s.weight.to(dst.weight.dtype))
+            mods += [(draft.q_norm, attn.q_norm), (draft.k_norm, attn.k_norm)]
+        pairs += [(dst, s, i) for dst, s in mods]
+    for dst, s, i in pairs:
+        if dst.weight.shape != s.weight.shape:
+            raise ValueError(f"target layer {i}: {type(s).__name__} weight {tuple(s.weight.shape)} does not fit "
+                             f"the draft layer's {tuple(dst.weight.shape)}")
+    with torch.no_grad():
+        for dst, s, _ in pairs:
+            dst.weight.copy_(s.weight.to(dst.weight.dtype))
     return ids
