@@ -24,16 +24,18 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
     from .checkpoint import load_checkpoint, read_meta
     from .config import load_algo
     from .data import prepare_data
+    from .models import draft_layers_for
     from .target import load_target
     from .trainer import seconds_per_step, train
 
     target = load_target(cfg.target)
     prepare_data(cfg, target)
-    results, timings, plans = [], {}, {}
+    results, timings, plans, layers = [], {}, {}, {}
     for algo in algos:
         c = copy.deepcopy(cfg)
         c.algo = load_algo(algo)
         c.name = f"{cfg.name}-{algo}"
+        layers[algo] = draft_layers_for(c)
         data_link = c.run_dir / "data"
         data_link.parent.mkdir(parents=True, exist_ok=True)
         if not data_link.exists():
@@ -58,7 +60,7 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
                          "probe_seconds_per_step": {a: p["seconds_per_step"] for a, p in plans.items()} or None,
                          "batch_size": cfg.train.batch_size,
                          "blocks_per_seq": cfg.train.blocks_per_seq, "records": cfg.data.max_prompts,
-                         "draft_layers": cfg.target.draft_layers, "block_size": cfg.target.block_size,
+                         "draft_layers": layers, "block_size": cfg.target.block_size,
                          "train_seconds": timings},
                "results": results}
     out_dir.mkdir(parents=True, exist_ok=True)

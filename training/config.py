@@ -52,6 +52,9 @@ class AlgoConfig:
     # the vanilla Markov head starts at zero (DFlash behaviour), or as the training answers'
     # bigram table (training/markov_init.py)
     markov_init: str = "zero"  # zero | bigram
+    # draft layers for this algorithm; None = the target profile's ``draft_layers``. The report
+    # gives Eagle3 one layer and the block drafters five: eagle3.yaml pins 1
+    draft_layers: int | None = None
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -223,6 +226,8 @@ def validate_target_profile(p: TargetProfile) -> None:
         raise ConfigError(f"target {p.name}: layer_ids must be non-empty and distinct, got {p.layer_ids}")
     if p.block_size < 1 or p.block_size > 32:
         raise ConfigError(f"target {p.name}: block_size must be in [1, 32], got {p.block_size}")
+    if p.draft_layers < 1:
+        raise ConfigError(f"target {p.name}: draft_layers must be >= 1, got {p.draft_layers}")
     if p.draft_vocab < 0:
         raise ConfigError(f"target {p.name}: draft_vocab must be >= 0 (0 = the whole vocabulary), got {p.draft_vocab}")
 
@@ -264,6 +269,8 @@ def load_run_config(path_or_name: str | None = None, overrides: list[str] | None
     if cfg.algo.markov_init == "bigram" and cfg.algo.algo == "dspark" and cfg.algo.markov_head != "vanilla":
         raise ConfigError(f"algo.markov_init=bigram starts the vanilla Markov head only, and algo.markov_head is "
                           f"{cfg.algo.markov_head!r}: add algo.markov_init=zero")
+    if cfg.algo.draft_layers is not None and cfg.algo.draft_layers < 1:
+        raise ConfigError(f"algo.draft_layers must be >= 1 (or unset: the target profile's), got {cfg.algo.draft_layers}")
     if cfg.train.init_layers not in ("random", "target"):
         raise ConfigError(f"train.init_layers must be random or target, got {cfg.train.init_layers!r}")
     validate_target_profile(cfg.target)

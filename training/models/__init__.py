@@ -13,7 +13,7 @@ DRAFTERS: dict[str, type[nn.Module]] = {
 }
 
 __all__ = ["BlockDrafter", "BlockOutput", "DrafterConfig", "Eagle3Drafter", "Proposal", "DRAFTERS",
-           "drafter_config_for", "build_drafter"]
+           "drafter_config_for", "draft_layers_for", "build_drafter"]
 
 
 def drafter_config_for(run_cfg, target) -> DrafterConfig:
@@ -24,7 +24,7 @@ def drafter_config_for(run_cfg, target) -> DrafterConfig:
         hidden_size=target.hidden_size,
         vocab_size=target.vocab_size,
         num_aux_layers=len(target.profile.layer_ids),
-        num_layers=run_cfg.target.draft_layers,
+        num_layers=draft_layers_for(run_cfg),
         block_size=run_cfg.target.block_size,
         mask_token_id=run_cfg.target.mask_token_id,
         markov_head=algo.markov_head if algo.algo == "dspark" else "none",
@@ -32,6 +32,12 @@ def drafter_config_for(run_cfg, target) -> DrafterConfig:
         confidence_head=bool(algo.confidence_head) and algo.algo == "dspark",
         draft_vocab_size=run_cfg.target.draft_vocab if run_cfg.target.draft_vocab < target.vocab_size else 0,
     )
+
+
+def draft_layers_for(run_cfg) -> int:
+    """The algorithm's own depth when its profile sets one, else the target profile's."""
+    n = run_cfg.algo.draft_layers
+    return run_cfg.target.draft_layers if n is None else n
 
 
 def build_drafter(cfg: DrafterConfig, target) -> nn.Module:
