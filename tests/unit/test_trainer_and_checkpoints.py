@@ -185,13 +185,13 @@ def test_optional_number_config_accepts_null():
         load_run_config("quickstart", ["train.budget_seconds=soon"])
 
 
-def test_eagle3_keeps_one_layer_while_block_drafters_take_the_profiles_depth():
+def test_eagle3_keeps_one_layer_while_block_drafters_take_the_profiles_depth(tiny_target):
     from dspark.training.models import build_drafter, drafter_config_for
     depth = {}
     for algo in ("dspark", "dflash", "eagle3"):
         cfg = tiny_run_config(algo)
         cfg.target.draft_layers = 3
-        depth[algo] = len(build_drafter(drafter_config_for(cfg, make_tiny_target()), make_tiny_target()).layers)
+        depth[algo] = len(build_drafter(drafter_config_for(cfg, tiny_target), tiny_target).layers)
     assert depth == {"dspark": 3, "dflash": 3, "eagle3": 1}  # the report's arrangement
     assert load_run_config("quickstart", ["algo=eagle3"]).algo.draft_layers == 1
     assert load_run_config("quickstart", ["algo=eagle3", "algo.draft_layers=2"]).algo.draft_layers == 2
