@@ -53,21 +53,31 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
         e = cfg.eval
         results += [r for r in evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task,
                                         e.max_new_tokens, e.seed, cfg.data.data_root)]
+        # written after every drafter: a crash in a later one keeps the hours already spent
+        report = comparison_report(cfg, command, results, plans, layers, timings)
+        write_report(report, out_dir)
     print_table(results)
+    return report
+
+
+def comparison_report(cfg, command: str, results: list[dict], plans: dict, layers: dict, timings: dict) -> dict:
+    """The ``train_compare.json`` document for the drafters evaluated so far."""
     steps = {a: p["steps"] for a, p in plans.items()} if plans else cfg.train.steps
-    report = {"target": cfg.target.name, "command": command,
-              "budget": {"steps": steps, "budget_seconds": cfg.train.budget_seconds,
-                         "probe_seconds_per_step": {a: p["seconds_per_step"] for a, p in plans.items()} or None,
-                         "batch_size": cfg.train.batch_size,
-                         "blocks_per_seq": cfg.train.blocks_per_seq, "records": cfg.data.max_prompts,
-                         "draft_layers": layers, "block_size": cfg.target.block_size,
-                         "train_seconds": timings},
-               "results": results}
+    return {"target": cfg.target.name, "command": command,
+            "budget": {"steps": steps, "budget_seconds": cfg.train.budget_seconds,
+                       "probe_seconds_per_step": {a: p["seconds_per_step"] for a, p in plans.items()} or None,
+                       "batch_size": cfg.train.batch_size,
+                       "blocks_per_seq": cfg.train.blocks_per_seq, "records": cfg.data.max_prompts,
+                       "draft_layers": layers, "block_size": cfg.target.block_size,
+                       "train_seconds": timings},
+            "results": results}
+
+
+def write_report(report: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_compare.json").write_text(json.dumps(report, indent=2))
     (out_dir / "train_compare.md").write_text(markdown_table(report))
     plot_comparison(report, out_dir / "train_compare.png")
-    return report
 
 
 def plan_steps(cfg, target, budget_seconds: float, probe) -> dict:

@@ -240,3 +240,39 @@ def test_copying_more_draft_layers_than_the_target_has_is_refused():
     target = make_tiny_target()
     with pytest.raises(ValueError, match="4-layer target"):
         copy_target_layers(torch.nn.ModuleList([torch.nn.Linear(1, 1)] * 5), target.layers)
+
+
+def test_comparison_keeps_finished_drafters_when_a_later_one_fails(tmp_path, monkeypatch):
+    """bench-train writes its report after every drafter: hours of training survive a late crash."""
+    import dspark.engine.evaluate as evaluate_mod
+    import dspark.training.data as data_mod
+    import dspark.training.target as target_mod
+    import dspark.training.trainer as trainer_mod
+    from dspark.training.compare import run_comparison
+
+    cfg = _cfg(tmp_path, "dspark", "cmp", 3, 3)
+    data = cfg.run_dir / "data"
+    data.mkdir(parents=True)
+    (data / "records.jsonl").write_text("".join(
+        json.dumps({"prompt_ids": r.prompt_ids, "answer_ids": r.answer_ids}) + "\n" for r in _records()))
+    target = make_tiny_target()
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(data_mod, "prepare_data", lambda *a, **k: None)  # the records above are the data
+    real_train = trainer_mod.train
+
+    def train_or_crash(c, t, **kw):
+        if c.algo.algo == "dflash":
+            raise RuntimeError("killed mid-run")
+        return real_train(c, t, **kw)
+    monkeypatch.setattr(trainer_mod, "train", train_or_crash)
+    # the tiny target has no tokenizer for the eval prompts: one row per drafter stands in for evaluate()
+    monkeypatch.setattr(evaluate_mod, "evaluate", lambda t, drafter, *a, **k: [
+        {"drafter": drafter.cfg.algo, "task": "overall", "temperature": 0.0, "accept_len": 1.0,
+         "accept_rate_at_k": [0.0], "rounds": 1, "samples": 1}])
+    out = tmp_path / "docs"
+    with pytest.raises(RuntimeError, match="killed mid-run"):
+        run_comparison(cfg, out, "dspark bench-train", ("dspark", "dflash"))
+    report = json.loads((out / "train_compare.json").read_text())
+    assert [r["drafter"] for r in report["results"]] == ["dspark"]
+    assert report["budget"]["draft_layers"] == {"dspark": 1}  # the snapshot taken after DSpark
+    assert (out / "train_compare.md").is_file() and (out / "train_compare.png").is_file()
