@@ -26,6 +26,7 @@ from .loss import LossTerms, TargetDist, block_loss, eagle_loss, target_dist
 from .markov_init import init_markov_from_bigrams
 from .models import build_drafter, drafter_config_for
 from .models.layers import copy_target_layers
+from .recipe import check_resume, training_recipe
 
 log = logging.getLogger(__name__)
 MAX_TRAIN_TOKENS = 512
@@ -325,6 +326,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
     records, n_train, cache = _training_data(cfg, target, records)
 
     dcfg = drafter_config_for(cfg, target)
+    recipe = training_recipe(cfg, dcfg)
     ckpt_dir = run_dir / "checkpoints"
     last_ckpt = ckpt_dir / "last"
     start_step = 0
@@ -333,6 +335,11 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         drafter, dcfg, meta = load_checkpoint(last_ckpt, target)
         start_step = meta["step"]
         train_state = torch.load(last_ckpt / "train_state.pt", weights_only=False)
+        if "recipe" in train_state:
+            check_resume(train_state["recipe"], recipe, str(last_ckpt))
+        elif rank == 0:
+            log.warning("%s records no training recipe (an older kit): resuming without checking the settings",
+                        last_ckpt)
         if rank == 0:
             log.info("resuming from %s at step %d", last_ckpt, start_step)
     else:
@@ -365,7 +372,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         if stop_after is not None and step - start_step >= stop_after:
             if rank == 0:
                 save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), step,
-                                {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+                                {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
             break
         idx = next(batches)
         idx = idx[rank::world] or idx[:1]
@@ -386,7 +393,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
                 _log_heldout(writer, done, val)
         if rank == 0 and (done % cfg.train.save_every == 0 or done == total):
             save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), done,
-                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
     if writer is not None:
         writer.close()
     if dist.is_initialized():

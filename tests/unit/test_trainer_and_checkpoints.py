@@ -276,3 +276,28 @@ def test_comparison_keeps_finished_drafters_when_a_later_one_fails(tmp_path, mon
     assert [r["drafter"] for r in report["results"]] == ["dspark"]
     assert report["budget"]["draft_layers"] == {"dspark": 1}  # the snapshot taken after DSpark
     assert (out / "train_compare.md").is_file() and (out / "train_compare.png").is_file()
+
+
+def test_a_resume_under_other_settings_is_refused_naming_them(tmp_path):
+    """Resuming promises one uninterrupted run's result: a changed recipe or architecture is an
+    error, while cadence settings (checkpoint, logging, evaluation) may change."""
+    from dspark.training.recipe import ResumeMismatch
+    target, records = make_tiny_target(), _records()
+    cfg = _cfg(tmp_path, "dspark", "resume", 6, 100)
+    train(cfg, target, records, progress=False, stop_after=2)
+    for key, value in (("lr", 5e-3), ("steps", 8)):
+        changed = _cfg(tmp_path, "dspark", "resume", 6, 100)
+        setattr(changed.train, key, value)
+        with pytest.raises(ResumeMismatch, match=rf"train\.{key}: .* -> {value!r}.*new run name"):
+            train(changed, target, records, progress=False)
+    deeper = _cfg(tmp_path, "dspark", "resume", 6, 100)
+    deeper.target.draft_layers = 2
+    with pytest.raises(ResumeMismatch, match=r"drafter\.num_layers: 1 -> 2"):
+        train(deeper, target, records, progress=False)
+    lossy = _cfg(tmp_path, "dspark", "resume", 6, 100)
+    lossy.algo.loss.l1_weight = 0.5
+    with pytest.raises(ResumeMismatch, match=r"algo\.loss\.l1_weight"):
+        train(lossy, target, records, progress=False)
+    same = _cfg(tmp_path, "dspark", "resume", 6, 3)  # only the checkpoint cadence differs
+    same.train.log_every = 1
+    assert load_checkpoint(train(same, target, records, progress=False), target)[2]["step"] == 6
