@@ -15,7 +15,11 @@ request with that key back to this model (``stop()`` here). A ``stop`` request w
 a key stops the live requests with the same Triton request id (as in TensorRT-LLM).
 
 The Triton side is behind ``ResponseChannel``; model.py implements it over the
-python backend's response sender.
+python backend's response sender. Once a request's final response is sent, Triton frees its
+response factory, and asking that request ``is_cancelled()`` then crashes the whole server
+(a segfault in ``TRITONBACKEND_ResponseFactoryIsCancelled``). So each live request's sends
+and cancellation checks hold its own lock, and nothing touches its channel after the final
+response.
 """
 from __future__ import annotations
 
@@ -62,6 +66,30 @@ class _Live:
     drafts: int = 0
     accepted: int = 0
     cancel_requested: bool = False
+    # sends and is_cancelled() of this request, serialised; closed once the final response is out
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def send(self, tensors: dict[str, np.ndarray] | None, final: bool, error: str | None = None,
+             code: str = INTERNAL) -> None:
+        """Send on the channel unless the final response already went out."""
+        with self.lock:
+            if self.closed:
+                log.warning("dropped a response after the final one")
+                return
+            if final:
+                self.closed = True
+            _safe_send(self.channel, tensors, final, error, code)
+
+    def cancelled(self) -> bool:
+        """Whether the client cancelled or went away; a closed request is not asked (see above)."""
+        with self.lock:
+            if self.closed:
+                return False
+            try:
+                return self.channel.is_cancelled()
+            except Exception:  # noqa: BLE001 - a request already released counts as gone
+                return True
 
 
 def response_tensors(new_ids: list[int], prefix_ids: list[int], final: bool, total: int,
@@ -124,7 +152,7 @@ class LLMService:
         with self._lock:
             orphans, self._live = list(self._live.values()), {}
         for live in orphans:  # the engine did not finish them: tell the clients
-            _safe_send(live.channel, None, True, "the model is shutting down", UNAVAILABLE)
+            live.send(None, True, "the model is shutting down", UNAVAILABLE)
         self._started = False
 
     @property
@@ -148,19 +176,20 @@ class LLMService:
             self._reject(channel, str(e))
             return None
         rid = f"{self.name}/{next(self._ids)}"
+        live = _Live(channel, req.streaming, client_id)
         with self._lock:
-            self._live[rid] = _Live(channel, req.streaming, client_id)
+            self._live[rid] = live
             n = len(self._live)
         try:
             self.engine.submit(rid, req.prompt_ids, req.params, self._outbox.put)
         except RequestValidationError as e:
             self._forget(rid)
-            self._reject(channel, str(e))
+            self._reject(live, str(e))
             return None
         except Exception as e:  # noqa: BLE001 - report, keep serving
             log.exception("engine.submit failed")
             self._forget(rid)
-            _safe_send(channel, None, True, f"engine error: {e}", INTERNAL)
+            live.send(None, True, f"engine error: {e}", INTERNAL)
             if self.metrics:
                 self.metrics.finished("error", None)
             return None
@@ -191,7 +220,7 @@ class LLMService:
             raise RequestValidationError("stop=true needs a request_key input or the request id of the request to stop")
         _safe_send(channel, None, True)  # just the final flag
 
-    def _reject(self, channel: ResponseChannel, message: str) -> None:
+    def _reject(self, channel: ResponseChannel | _Live, message: str) -> None:
         _safe_send(channel, None, True, message, INVALID_ARG)
         if self.metrics:
             self.metrics.finished("rejected", None)
@@ -236,7 +265,7 @@ class LLMService:
             if live.streaming and new:
                 prefix = prefix_window(live.tokens, self.window)
                 live.tokens.extend(new)
-                _safe_send(live.channel, response_tensors(new, prefix, False, len(live.tokens), out, None), False)
+                live.send(response_tensors(new, prefix, False, len(live.tokens), out, None), False)
                 live.sent += 1
             else:
                 live.tokens.extend(new)
@@ -253,10 +282,10 @@ class LLMService:
         if reason == "error":
             log.error("%s failed in the engine: %s", out.request_id, out.error)
             if not live.sent:
-                _safe_send(live.channel, None, True, f"engine error: {out.error or 'unknown'}", INTERNAL)
+                live.send(None, True, f"engine error: {out.error or 'unknown'}", INTERNAL)
                 return
         if reason == "cancelled" and live.cancel_requested and not live.sent:
-            _safe_send(live.channel, None, True, "request cancelled", CANCELLED)
+            live.send(None, True, "request cancelled", CANCELLED)
             return
         if live.streaming:
             prefix = prefix_window(live.tokens, self.window)
@@ -265,7 +294,7 @@ class LLMService:
         else:
             live.tokens.extend(new)
             tensors = response_tensors(live.tokens, [], True, len(live.tokens), out, reason)
-        _safe_send(live.channel, tensors, True)
+        live.send(tensors, True)
 
     # cancellation ------------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -277,11 +306,7 @@ class LLMService:
             for rid, live in items:
                 if live.cancel_requested:
                     continue
-                try:
-                    cancelled = live.channel.is_cancelled()
-                except Exception:  # noqa: BLE001 - a request already released counts as gone
-                    cancelled = True
-                if cancelled:
+                if live.cancelled():
                     live.cancel_requested = True
                     try:
                         self.engine.cancel(rid)

@@ -275,3 +275,52 @@ def test_cancel_relay_stops_each_request_once():
     assert relay.cancelled("dspark_llm/3") and not relay.cancelled("dspark_llm/3")
     assert not relay.cancelled("") and not relay.cancelled("nokey")
     assert calls == [("dspark_llm", "dspark_llm/3")]
+
+
+class TritonLikeChannel(Channel):
+    """Triton frees a request's response factory with its final response: asking is_cancelled()
+    after it (or while it is being sent) crashed the real server. Records each such call."""
+
+    violations: list[str]
+
+    def __init__(self, violations):
+        super().__init__()
+        self.violations = violations
+        self.final_sent = False
+        self.busy = threading.Lock()
+
+    def send(self, tensors, final, error=None, code=llm.INTERNAL):
+        if not self.busy.acquire(blocking=False):
+            self.violations.append("final response sent during is_cancelled()")
+            self.busy.acquire()
+        try:
+            super().send(tensors, final, error, code)
+            self.final_sent = self.final_sent or final
+        finally:
+            self.busy.release()
+
+    def is_cancelled(self):
+        with self.busy:
+            if self.final_sent:
+                self.violations.append("is_cancelled() after the final response")
+            time.sleep(0.001)  # an IPC round trip to the server: widens the window the poll races in
+            return False
+
+
+def test_no_cancellation_check_touches_a_request_after_its_final_response():
+    violations: list[str] = []
+    svc = llm.LLMService(FakeEngine(per_step=1, step_s=0.001), cancel_poll_s=0.0005)
+    svc.start()
+    try:
+        channels = []
+        for wave in range(6):
+            batch = [TritonLikeChannel(violations) for _ in range(16)]
+            for i, ch in enumerate(batch):
+                svc.submit(ch, inputs(max_tokens=1 + (i + wave) % 4, stream=bool(i % 2)))
+            channels += batch
+        assert all(ch.done.wait(10) for ch in channels)
+        time.sleep(0.05)  # a few more polls over whatever is still listed
+    finally:
+        svc.close()
+    assert violations == []
+    assert all(sum(final for _, final, *_ in ch.sent) == 1 for ch in channels)
