@@ -362,6 +362,10 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         opt.load_state_dict(train_state["optimizer"])
         sched.load_state_dict(train_state["scheduler"])
 
+    def save(step: int) -> None:
+        save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), step,
+                        {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
+
     writer = SummaryWriter(str(run_dir / "tb")) if rank == 0 else None
     step_fn, autocast = _step_kind(dcfg.algo, device, dtype)
     batches = iterate_batches(n_train, cfg.train.batch_size * world, cfg.train.seed, start_step)
@@ -371,8 +375,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
     for step in bar:
         if stop_after is not None and step - start_step >= stop_after:
             if rank == 0:
-                save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), step,
-                                {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
+                save(step)
             break
         idx = next(batches)
         idx = idx[rank::world] or idx[:1]
@@ -392,8 +395,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
             if writer is not None and val is not None:
                 _log_heldout(writer, done, val)
         if rank == 0 and (done % cfg.train.save_every == 0 or done == total):
-            save_checkpoint(last_ckpt, drafter, dcfg, target.identity(), done,
-                            {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
+            save(done)
     if writer is not None:
         writer.close()
     if dist.is_initialized():
