@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated sweep")
     ap.add_argument("--systems", default="spec,target_only", help="spec (ensemble), target_only (ensemble_target_only)")
     ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 12)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per level (each runs every system once); rows are the median-throughput runs")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=None, help="default: greedy")
     ap.add_argument("--out", default="docs/benchmarks/serving", help="output path without suffix")
@@ -87,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sys.exit(f"unknown system(s) {unknown}; known: {', '.join(bench.SYSTEMS)}")
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.repeats < 1:
+        sys.exit(f"--repeats must be >= 1, got {args.repeats}")
     rows = bench.sweep(args.url, prompts, concurrencies, systems, args.max_tokens, args.num_requests,
-                       args.temperature)
+                       args.temperature, repeats=args.repeats)
     report = {"command": command, "device": args.device or bench.device_label(), "max_tokens": args.max_tokens,
-              "results": rows}
+              "repeats": args.repeats, "results": rows}
     for p in bench.write_report(report, out):
         print("wrote", p)
     print(bench.markdown(report))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -122,22 +123,46 @@ MIN_REQUESTS = 12  # per level: a few requests at concurrency 1 last seconds, to
 
 
 def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
-          num_requests: int | None = None, temperature: float | None = None, log=print) -> list[dict]:
-    """Every concurrency level runs each system back to back (the order alternating between
-    levels), so the pair compared at a level ran minutes apart on the same host state."""
+          num_requests: int | None = None, temperature: float | None = None, repeats: int = 1,
+          log=print) -> list[dict]:
+    """Every concurrency level runs each system back to back, ``repeats`` times, the order
+    alternating from one round to the next, so the runs compared at a level ran minutes apart on
+    the same host state. A (system, level) row is its median-throughput run (``combine_runs``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     for system in systems:
         run_level(url, SYSTEMS[system], prompts[:1], 1, 1, min(max_tokens, 8), temperature)  # warm-up
     rows = []
-    for i, c in enumerate(concurrencies):
-        for system in (systems if i % 2 == 0 else systems[::-1]):
-            n = num_requests or max(2 * c, MIN_REQUESTS)
-            results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
-            row = summarize(system, c, results, wall)
-            rows.append(row)
-            log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
-                f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
-                f"accept_len {row['accept_len']}  failed {row['failed']}")
+    rounds = 0
+    for c in concurrencies:
+        runs: dict[str, list[dict]] = {s: [] for s in systems}
+        for _ in range(repeats):
+            for system in (systems if rounds % 2 == 0 else systems[::-1]):
+                n = num_requests or max(2 * c, MIN_REQUESTS)
+                results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
+                row = summarize(system, c, results, wall)
+                runs[system].append(row)
+                log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
+                    f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
+                    f"accept_len {row['accept_len']}  failed {row['failed']}")
+            rounds += 1
+        rows += [combine_runs(runs[s]) for s in systems]
     return sorted(rows, key=lambda r: (systems.index(r["system"]), r["concurrency"]))
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """The runs of one (system, level) -> one row: the statistics of the median-throughput run (the
+    lower one of an even count), every run's throughput and TTFT p50 in ``*_runs`` (in round order,
+    so the systems' runs pair up), and ``requests`` / ``failed`` summed over all runs, so that a
+    failure in any run shows."""
+    if len(runs) == 1:
+        return runs[0]
+    by_speed = sorted(runs, key=lambda r: r["output_tokens_per_s"] or 0.0)
+    row = dict(by_speed[(len(runs) - 1) // 2])
+    row.update(repeats=len(runs), requests=sum(r["requests"] for r in runs), failed=sum(r["failed"] for r in runs),
+               output_tokens_per_s_runs=[r["output_tokens_per_s"] for r in runs],
+               ttft_p50_ms_runs=[r["ttft_ms"]["p50"] for r in runs])
+    return row
 
 
 # reports -----------------------------------------------------------------------------------
@@ -161,16 +186,31 @@ def markdown(report: dict) -> str:
                      f"{r.get('failed', 0)} |")
     speedups = speedup_rows(report["results"])
     if speedups:
-        lines += ["", "Speed-up of spec over target_only (output tokens/s):", "",
-                  "| concurrency | speed-up |", "|---:|---:|"]
-        lines += [f"| {c} | {s:.2f}x |" for c, s in speedups]
+        repeats = max((r.get("repeats", 1) for r in report["results"]), default=1)
+        lines += ["", "spec / target_only" + (f" (median of the {repeats} rounds' ratios)" if repeats > 1 else "")
+                  + ":", "", "| concurrency | output tok/s | TTFT p50 |", "|---:|---:|---:|"]
+        lines += [f"| {c} | {s:.2f}x | {'-' if t is None else f'{t:.2f}x'} |" for c, s, t in speedups]
     return "\n".join(lines) + "\n"
 
 
-def speedup_rows(rows: list[dict]) -> list[tuple[int, float]]:
-    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["system"] == "target_only"}
-    return [(r["concurrency"], r["output_tokens_per_s"] / base[r["concurrency"]])
-            for r in rows if r["system"] == "spec" and base.get(r["concurrency"])]
+def speedup_rows(rows: list[dict]) -> list[tuple[int, float, float | None]]:
+    """(concurrency, spec / target_only output tokens/s, spec / target_only TTFT p50) per level.
+    With repeats, each is the median of the ratios of the runs made in the same round."""
+    def ratios(a: dict, b: dict, runs_key: str, single) -> list[float]:
+        pairs = zip(a.get(runs_key) or [single(a)], b.get(runs_key) or [single(b)])
+        return [x / y for x, y in pairs if x is not None and y]
+
+    base = {r["concurrency"]: r for r in rows if r["system"] == "target_only"}
+    out = []
+    for r in rows:
+        b = base.get(r["concurrency"])
+        if r["system"] != "spec" or b is None:
+            continue
+        tok = ratios(r, b, "output_tokens_per_s_runs", lambda x: x["output_tokens_per_s"])
+        ttft = ratios(r, b, "ttft_p50_ms_runs", lambda x: x["ttft_ms"]["p50"])
+        if tok:
+            out.append((r["concurrency"], statistics.median(tok), statistics.median(ttft) if ttft else None))
+    return out
 
 
 def plot(report: dict, path: Path) -> None:

@@ -69,3 +69,33 @@ def test_sweep_runs_the_systems_back_to_back_per_level_in_alternating_order(monk
                      (spec, 1, n), (base, 1, n), (base, 4, n), (spec, 4, n), (spec, 16, 32), (base, 16, 32)]
     assert [(r["system"], r["concurrency"]) for r in rows] == [
         ("spec", 1), ("spec", 4), ("spec", 16), ("target_only", 1), ("target_only", 4), ("target_only", 16)]
+
+
+def test_repeated_sweep_alternates_rounds_and_reports_median_runs_and_paired_ratios(monkeypatch):
+    speeds = {("spec", 1): iter([30, 10, 20]), ("target_only", 1): iter([10, 20, 40])}  # tokens per 1 s run
+    order = []
+
+    def fake_level(url, model, prompts, concurrency, num_requests, max_tokens, temperature):
+        system = next(s for s, m in bench.SYSTEMS.items() if m == model)
+        if num_requests == 1:  # warm-up
+            return [result(0.0, 0.1, 1.0, 1)], 1.0
+        order.append(system)
+        fail = "boom" if (system, len(order)) == ("target_only", 2) else None
+        return [result(0.0, 0.1 * len(order), 1.0, next(speeds[(system, concurrency)])),
+                result(0.0, 0.1, 1.0, 0, error=fail)], 1.0
+    monkeypatch.setattr(bench, "run_level", fake_level)
+    rows = bench.sweep("u", ["p"], [1], ["spec", "target_only"], 8, repeats=3, log=lambda *_: None)
+    assert order == ["spec", "target_only", "target_only", "spec", "spec", "target_only"]
+    spec, base = rows
+    assert spec["output_tokens_per_s_runs"] == [30, 10, 20] and spec["output_tokens_per_s"] == 20
+    assert base["output_tokens_per_s_runs"] == [10, 20, 40] and base["output_tokens_per_s"] == 20
+    assert base["repeats"] == 3 and base["requests"] == 6 and base["failed"] == 1  # a failure in any run shows
+    [(c, tok, ttft)] = bench.speedup_rows(rows)
+    assert c == 1 and tok == pytest.approx(0.5)  # median of 30/10, 10/20, 20/40, not the median runs' 20/20
+    # TTFT p50 per run (ms): spec 100, 250, 300; target_only 200 (its failed request left out), 200, 350
+    assert spec["ttft_p50_ms_runs"] == [100, 250, 300] and base["ttft_p50_ms_runs"] == [200, 200, 350]
+    assert ttft == pytest.approx(300 / 350)
+    md = bench.markdown({"command": "x", "device": "cpu", "results": rows})
+    assert "median of the 3 rounds' ratios" in md and "| 1 | 0.50x | 0.86x |" in md
+    with pytest.raises(ValueError):
+        bench.sweep("u", ["p"], [1], ["spec"], 8, repeats=0, log=lambda *_: None)
