@@ -22,8 +22,12 @@ step drafts anyway, so the averages follow the text (a response can turn predict
 halfway through). A probe drafts only ``probe_rows`` of the running requests (the engine
 picks those that drafted least recently): the averages are per request, so a few rows
 measure them, and at a large batch a full drafter pass is a large share of a step. The
-probe interval doubles after each probe that does not pay, up to ``max_probe``, which
-keeps the cost of probing for a drafter that never pays under a few percent.
+probe interval doubles after each probe that does not pay, up to the interval at which
+probing a drafter that never pays costs ``probe_budget`` of the run: a probe's extra time
+over a plain step (from the SPS table, in plain steps) divided by the budget, kept within
+``[min_probe, max_probe]``. A probe that costs a drafter pass plus a 7-token verify on a
+2-core CPU is worth about 1.4 plain steps, so a 1% budget probes every 140 steps there; a
+fixed interval of 64 spent 2% of the run on probes.
 
 Lossless: the decision uses only committed history (past accepted counts), never the
 drafts it gates, so skipping is a verify length of 0 chosen before the drafts exist.
@@ -31,6 +35,8 @@ Deterministic: the inputs are the SPS table and token counts, not wall time, so 
 run repeats exactly.
 """
 from __future__ import annotations
+
+import math
 
 from .sps import SpsTable
 
@@ -40,8 +46,9 @@ __all__ = ["DraftGate"]
 class DraftGate:
     """Per-step decision: run the drafter or a plain target step (see the module docstring)."""
 
-    def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 64,
-                 horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4) -> None:
+    def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 1024,
+                 horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
+                 probe_budget: float = 0.01) -> None:
         if not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
@@ -53,12 +60,15 @@ class DraftGate:
             raise ValueError(f"horizon must be > 1 row, got {horizon}")
         if not prior_rows >= 0.0:
             raise ValueError(f"prior_rows must be >= 0, got {prior_rows}")
+        if not 0.0 < probe_budget <= 1.0:
+            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.table = table
         self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
         self.prior_rows = prior_rows
         self.probe_rows = probe_rows
+        self.probe_budget = probe_budget
         self.reset()
 
     def reset(self) -> None:
@@ -93,6 +103,18 @@ class DraftGate:
         t_drafted = self.table.draft_time(requests) + self._step_time(requests + round(requests * self.verified))
         return (1.0 + self.accepted) * t_plain / t_drafted
 
+    def probe_cost(self, requests: int, rows: int) -> float:
+        """Predicted extra time of a probe drafting ``rows`` of ``requests``, in plain steps: the
+        drafter pass plus the verify tokens it adds (its accepted tokens are not counted)."""
+        t_plain = self._step_time(requests)
+        verified = round(rows * (self.verified or 0.0))
+        return (self.table.draft_time(rows) + self._step_time(requests + verified) - t_plain) / t_plain
+
+    def probe_cap(self, requests: int, rows: int) -> int:
+        """The longest probe interval needed to keep probing within ``probe_budget`` of the run."""
+        needed = math.ceil(self.probe_cost(requests, rows) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
+        return max(self.min_probe, min(needed, self.max_probe))
+
     def rows_to_draft(self, requests: int) -> int:
         """How many of ``requests`` rows draft this step: all when drafting is predicted to pay,
         none when it is not, ``min(probe_rows, requests)`` on a probe step."""
@@ -105,8 +127,8 @@ class DraftGate:
             rows = 0
             if self.skipped >= self.probe:  # a probe: if it does not pay either, wait longer for the next one
                 self.skipped = 0
-                self.probe = min(2 * self.probe, self.max_probe)
                 rows = min(self.probe_rows, requests)
+                self.probe = min(2 * self.probe, self.probe_cap(requests, rows))
         if rows:
             self.drafted_steps += 1
         else:

@@ -59,7 +59,8 @@ def test_a_lucky_row_does_not_switch_a_batch_to_drafting():
 
 
 def test_gate_rejects_bad_settings():
-    for kw in ({"horizon": 1.0}, {"prior_rows": -1.0}, {"probe_rows": 0}, {"min_probe": 0}):
+    for kw in ({"horizon": 1.0}, {"prior_rows": -1.0}, {"probe_rows": 0}, {"min_probe": 0}, {"probe_budget": 0.0},
+               {"probe_budget": 1.5}):
         with pytest.raises(ValueError):
             DraftGate(_table(draft_seconds=0.5), max_tokens=64, **kw)
 
@@ -78,6 +79,29 @@ def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
     gaps = [b - a for a, b in zip(drafted, drafted[1:])]
     assert gaps[:3] == [2, 4, 8] and all(g == 8 for g in gaps[3:])  # probe interval doubles to the cap
     assert gate.skipped_steps == 40 - len(drafted)
+
+
+def test_the_probe_interval_stops_doubling_where_probing_costs_the_budget():
+    # a probe: 0.5 s of drafter + 1 verified token at 0.1 s = 0.6 plain steps of 1 s
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, min_probe=2, max_probe=1000,
+                     probe_budget=0.05)
+    assert gate.rows_to_draft(1) == 1
+    gate.observe(1, verified=1, accepted=0)
+    assert gate.probe_cost(1, 1) == pytest.approx(0.6)
+    assert gate.probe_cap(1, 1) == 12  # ceil(0.6 / 0.05)
+    drafted = []
+    for step in range(200):
+        if gate.rows_to_draft(1):
+            drafted.append(step)
+            gate.observe(1, verified=1, accepted=0)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert gaps[:2] == [4, 8] and set(gaps[2:]) == {12}  # the interval doubles to 4 and 8, then stops at 12, not 16
+    assert gate.probe_cost(1, 1) / 12 <= 0.05 + 1e-9  # the time spent probing stays within the budget
+    # a costlier probe (a larger verify) earns a longer interval; the caps bound it both ways
+    gate.observe(1, verified=30, accepted=0)
+    assert gate.probe_cap(1, 1) > 12
+    assert DraftGate(_table(draft_seconds=50.0), max_tokens=64, max_probe=100).probe_cap(1, 1) == 100
+    assert DraftGate(_table(draft_seconds=1e-4), max_tokens=64, min_probe=4).probe_cap(1, 1) == 4
 
 
 def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
