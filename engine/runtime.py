@@ -284,27 +284,31 @@ class SpecEngine:
                     aux = torch.cat([r.pending_aux, aux])
                 # every position but the last knows its next token already
                 nxt = torch.tensor(r.prompt[r.prefilled - aux.shape[0] + 1:r.prefilled])
-                self._to_backlog(r, aux[:-1], nxt)
+                self._to_backlog(r, aux[:-1], nxt, flush=False)
                 r.pending_aux = aux[-1:]
             if r.prefilled == len(r.prompt):
                 done.append((i, r, n))
-        if not done:
-            return
-        logits = torch.stack([out.logits[i, 0] for i, _, _ in done])
-        first = self._sample_first([r for _, r, _ in done], logits)
-        for (i, r, n), tok in zip(done, first):
-            r.anchor = tok
-            if self.drafter is not None:
-                self._to_backlog(r, r.pending_aux, torch.tensor([tok]))
-                r.pending_aux = None
-            self._emit(r, [tok])
+        if done:
+            logits = torch.stack([out.logits[i, 0] for i, _, _ in done])
+            first = self._sample_first([r for _, r, _ in done], logits)
+            for (i, r, n), tok in zip(done, first):
+                r.anchor = tok
+                if self.drafter is not None:
+                    self._to_backlog(r, r.pending_aux, torch.tensor([tok]), flush=False)
+                    r.pending_aux = None
+                self._emit(r, [tok])
+        # only now, so that a long prompt's first token does not wait for the drafter's context pass
+        if self.drafter is not None:
+            self._flush_draft_context([r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS])
 
     MAX_BACKLOG_TOKENS = 256  # bounds the memory of features held for a drafter that is not drafting
 
-    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor, flush: bool = True) -> None:
+        """Queue committed features for the drafter's context; past ``MAX_BACKLOG_TOKENS`` they are
+        appended now (``flush``) or by the caller later in the step."""
         r.ctx_backlog.append((aux, next_tokens))
         r.backlog_tokens += aux.shape[0]
-        if r.backlog_tokens >= self.MAX_BACKLOG_TOKENS:
+        if flush and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS:
             self._flush_draft_context([r])
 
     def _flush_draft_context(self, reqs: list[_Request]) -> None:

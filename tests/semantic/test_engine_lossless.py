@@ -155,3 +155,37 @@ def test_a_prefill_token_budget_spreads_a_burst_over_steps_without_changing_outp
     burst = [firsts[f"b{i}"] for i in range(8) if f"b{i}" in firsts]
     assert len(set(burst)) > 1 and burst == sorted(burst)  # spread over steps, oldest first
     assert emitted_at and all(n >= 1 for n in emitted_at)  # the running request never waits on the burst
+
+
+def test_a_long_prompts_first_token_is_sent_before_the_drafters_context_pass():
+    """A prompt longer than the feature backlog's bound: its features go to the drafter in the
+    prefill step, but after its first token was sent, and the outputs stay the target's own."""
+    target = make_tiny_target()
+    torch.manual_seed(4)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    prompt = list(range(6, 46))  # 40 tokens
+    jobs = [(0, "long", prompt, SamplingParams(max_tokens=8)), (0, "short", prompt[:5], SamplingParams(max_tokens=8))]
+    base, _ = _run_in_flight(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=2)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=2))
+    engine.MAX_BACKLOG_TOKENS = 16
+    events: list[tuple[str, object]] = []
+    append = engine.draft_runner.append
+
+    def logged_append(rows):
+        events.append(("append", sorted(int(r) for r, _, _ in rows)))
+        append(rows)
+    engine.draft_runner.append = logged_append
+    outs: dict[str, list[int]] = {}
+
+    def cb(o):
+        if not outs.get(o.request_id):
+            events.append(("first token", o.request_id))
+        outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for _, rid, p, params in jobs:
+        engine.submit(rid, p, params, cb)
+    engine.step()  # prefill of both (only the long prompt's backlog is over the bound), then a drafted step
+    long_slot = next(r.slot for r in engine._active if r.rid == "long")
+    assert events[:3] == [("first token", "long"), ("first token", "short"), ("append", [long_slot])]
+    assert int(engine.draft_runner.cache.lengths[long_slot]) == len(prompt)  # every prompt position, none held back
+    engine.run_until_done()
+    assert outs == base
