@@ -299,7 +299,8 @@ class SpecEngine:
                 self._emit(r, [tok])
         # only now, so that a long prompt's first token does not wait for the drafter's context pass
         if self.drafter is not None:
-            self._flush_draft_context([r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS])
+            over = [r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS]
+            self._flush_draft_context(over)
 
     MAX_BACKLOG_TOKENS = 256  # bounds the memory of features held for a drafter that is not drafting
 

@@ -106,8 +106,8 @@ def test_the_probe_interval_stops_doubling_where_probing_costs_the_budget():
 
 def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=8, probe_rows=3)
-    assert gate.rows_to_draft(16) == 16  # no history yet: everyone drafts
-    gate.observe(16, verified=16, accepted=0)
+    assert gate.rows_to_draft(16) == 3  # no history yet: a probe measures it, not the whole batch
+    gate.observe(3, verified=3, accepted=0)
     decisions = [gate.rows_to_draft(16) for _ in range(6)]
     assert decisions == [0, 3, 0, 0, 0, 3]  # probes at intervals 2 then 4, three rows each
     assert gate.rows_to_draft(2) == 0 and gate.probe_rows == 3
