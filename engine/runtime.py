@@ -284,7 +284,7 @@ class SpecEngine:
                     aux = torch.cat([r.pending_aux, aux])
                 # every position but the last knows its next token already
                 nxt = torch.tensor(r.prompt[r.prefilled - aux.shape[0] + 1:r.prefilled])
-                self._to_backlog(r, aux[:-1], nxt, flush=False)
+                self._to_backlog(r, aux[:-1], nxt)
                 r.pending_aux = aux[-1:]
             if r.prefilled == len(r.prompt):
                 done.append((i, r, n))
@@ -294,23 +294,24 @@ class SpecEngine:
             for (i, r, n), tok in zip(done, first):
                 r.anchor = tok
                 if self.drafter is not None:
-                    self._to_backlog(r, r.pending_aux, torch.tensor([tok]), flush=False)
+                    self._to_backlog(r, r.pending_aux, torch.tensor([tok]))
                     r.pending_aux = None
                 self._emit(r, [tok])
-        # only now, so that a long prompt's first token does not wait for the drafter's context pass
-        if self.drafter is not None:
-            over = [r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS]
-            self._flush_draft_context(over)
+        self._flush_over_bound(reqs)
 
     MAX_BACKLOG_TOKENS = 256  # bounds the memory of features held for a drafter that is not drafting
 
-    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor, flush: bool = True) -> None:
-        """Queue committed features for the drafter's context; past ``MAX_BACKLOG_TOKENS`` they are
-        appended now (``flush``) or by the caller later in the step."""
+    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Queue committed features for the drafter's context (``_flush_over_bound`` bounds them)."""
         r.ctx_backlog.append((aux, next_tokens))
         r.backlog_tokens += aux.shape[0]
-        if flush and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS:
-            self._flush_draft_context([r])
+
+    def _flush_over_bound(self, reqs: list[_Request]) -> None:
+        """Append the backlogs past ``MAX_BACKLOG_TOKENS`` in one batch, at the end of a phase:
+        after its tokens were sent, so no token waits for the drafter's context pass."""
+        if self.drafter is not None:
+            over = [r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS]
+            self._flush_draft_context(over)
 
     def _flush_draft_context(self, reqs: list[_Request]) -> None:
         """Bring the drafter's cache up to date for ``reqs`` (one batched append of their backlogs)."""
@@ -437,6 +438,7 @@ class SpecEngine:
                 self._to_backlog(r, aux_host[i, : n + 1].clone(), torch.tensor(new))
             r.anchor = new[-1]
             self._emit(r, new)
+        self._flush_over_bound(reqs)
 
     # -- output ---------------------------------------------------------------------------------------
     def _emit(self, r: _Request, tokens: list[int]) -> None:
