@@ -116,15 +116,14 @@ def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     """Eagle3 soft-CE with training-time test over ``ttt_steps`` unrolled steps."""
     S = cfg.algo.loss.ttt_steps
     N, T = b.tokens.shape
-    hidden = model(b.aux, b.tokens, S)  # [S, N, T, d]
     # score the same number of positions as the block drafters see: blocks_per_seq * K
     n_pos = min(cfg.train.blocks_per_seq * core.cfg.block_size, T)
-    anchors = sample_anchors(b, n_pos, gen) - 1  # position i: step 0 predicts tokens[i + 2]
+    anchors = sample_anchors(b, n_pos, gen) - 1  # entry i: step 0 predicts tokens[i + 2]
     anchors = anchors.clamp(min=0)
+    h = model(b.aux, b.tokens, S, anchors)  # [S, N, P, d]
     steps = torch.arange(S, device=anchors.device).view(S, 1, 1)
     pred = anchors.unsqueeze(0) + 2 + steps  # [S, N, P] predicted token positions
     valid = (pred < b.lengths.view(1, N, 1)) & (pred >= b.prompt_lens.view(1, N, 1))
-    h = hidden.gather(2, anchors.unsqueeze(0).expand(S, -1, -1).unsqueeze(-1).expand(-1, -1, -1, hidden.shape[-1]))
     src = (pred - 1).clamp(max=T - 1)
     target = target_at(core, b.last, torch.arange(N, device=src.device).view(1, N, 1), src)
     logits = core.draft_head(h)

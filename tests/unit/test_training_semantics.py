@@ -135,3 +135,27 @@ def test_target_distribution_computed_once_per_position_equals_the_per_slot_one(
         assert got.outside is None
     else:
         torch.testing.assert_close(got.outside, want.outside)
+
+
+def test_eagle3_unroll_of_chosen_entries_equals_the_full_unroll_there(tiny_target):
+    """Training-time test computes only the chains it scores: each chain sees the true entries
+    up to its own and its own earlier steps, so unrolling a subset (duplicates and the last
+    entry included) gives the full unroll's hidden states at those entries, and their
+    gradients."""
+    d = _drafter(tiny_target, algo="eagle3")
+    T, S = 14, 4
+    torch.manual_seed(3)
+    tokens = torch.randint(6, 64, (2, T))
+    aux = torch.randn(2, T, 3 * 32)
+    positions = torch.tensor([[0, 5, 5, 13], [2, 7, 11, 12]])
+    full = d.forward_train(aux, tokens, S)  # [S, N, T, d]
+    part = d.forward_train(aux, tokens, S, positions)  # [S, N, P, d]
+    at = full.gather(2, positions.view(1, 2, 4, 1).expand(S, -1, -1, full.shape[-1]))
+    torch.testing.assert_close(part, at, atol=1e-5, rtol=1e-5)
+    grad_full = torch.autograd.grad(at.sum(), d.combine.weight)[0]
+    grad_part = torch.autograd.grad(d.forward_train(aux, tokens, S, positions).sum(), d.combine.weight)[0]
+    torch.testing.assert_close(grad_part, grad_full, atol=1e-4, rtol=1e-4)
+    # a chain of step >= 1 depends on its own tokens: changing a later token moves it
+    later = tokens.clone(); later[0, 8] = (later[0, 8] + 1) % 64
+    moved = d.forward_train(aux, later, S, positions)
+    assert not torch.allclose(moved[3, 0, 1], part[3, 0, 1])  # entry 5, step 3 reads x_{5+1+3}

@@ -43,12 +43,16 @@ class Eagle3Drafter(TargetTiedDrafter):
         return x, new_kv
 
     # -- training -----------------------------------------------------------------------------
-    def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
-        """aux [N, T, m*d], tokens [N, T] -> normed hidden [steps, N, T, d] (LM head input).
+    def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """aux [N, T, m*d], tokens [N, T] -> normed hidden [steps, N, P, d] (LM head input) at
+        the entries ``positions`` [N, P] (all T when None).
 
-        Step k's output at position i predicts ``tokens[i + 2 + k]``; the caller applies the
-        LM head only where it computes a loss (logits for every position would not fit).
-        Each step runs the layers over all positions with keys [true entries ; chain entries].
+        Step k's output at entry i predicts ``tokens[i + 2 + k]``; the caller applies the LM
+        head where it computes a loss. Step 0 runs the layers over every true entry (their
+        K/V are every chain's context); steps 1.. unroll only the chains of ``positions``: the
+        chain of entry i sees the true entries ``<= i`` and its own earlier steps, never another
+        chain, so the chains nobody scores are not computed.
         """
         N, T = tokens.shape
         dev = tokens.device
@@ -57,21 +61,23 @@ class Eagle3Drafter(TargetTiedDrafter):
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         x0 = self.entry(self.fuse(aux), nxt)
         h, true_kv = self.run_layers(x0, pos, None, causal.expand(N, T, T))
+        if positions is None:
+            positions = pos
+        P = positions.shape[1]
+        h = h.gather(1, positions.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # [N, P, d]
         outs = [self.norm(h)]
-        eye = torch.eye(T, dtype=torch.bool, device=dev)
+        sees_true = torch.arange(T, device=dev).view(1, 1, T) <= positions.unsqueeze(-1)  # [N, P, T]
+        eye = torch.eye(P, dtype=torch.bool, device=dev).expand(N, P, P)
         chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for k in range(1, steps):
-            shift = torch.cat([tokens[:, 1 + k:], tokens[:, -1:].expand(N, min(1 + k, T))], dim=1)[:, :T]
-            xk = self.entry(h, shift)
-            pos_k = (pos + k)
-            # keys: true entries (causal) + chain entries of steps 1..k-1 (diagonal) + own (diagonal)
+            xk = self.entry(h, tokens.gather(1, (positions + 1 + k).clamp(max=T - 1)))  # x_{i+1+k}
+            # keys: true entries <= i, then this chain's steps 1..k-1, then its own entry
             past = []
             for li in range(len(self.layers)):
-                ks = [true_kv[li][0]] + [c[li][0] for c in chain]
-                vs = [true_kv[li][1]] + [c[li][1] for c in chain]
-                past.append((torch.cat(ks, dim=2), torch.cat(vs, dim=2)))
-            mask = torch.cat([causal] + [eye] * len(chain) + [eye], dim=-1).expand(N, T, -1)
-            h, kv_k = self.run_layers(xk, pos_k, past, mask)
+                past.append((torch.cat([true_kv[li][0]] + [c[li][0] for c in chain], dim=2),
+                             torch.cat([true_kv[li][1]] + [c[li][1] for c in chain], dim=2)))
+            mask = torch.cat([sees_true] + [eye] * (len(chain) + 1), dim=-1)
+            h, kv_k = self.run_layers(xk, positions + k, past, mask)
             chain.append(kv_k)
             outs.append(self.norm(h))
         return torch.stack(outs)
