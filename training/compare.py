@@ -5,9 +5,9 @@ learning-rate schedule; then the same batch-1 evaluation on math, code and chat 
 temperature. Writes ``train_compare.json``, ``.md`` and a plot.
 
 The budget is either the same step count (``train.steps``) or, with
-``train.budget_seconds``, the same training time on this machine: an Eagle3 step unrolls
-``ttt_steps`` passes over the whole sequence, so at equal steps it gets several times the
-compute of a block drafter. Each drafter's step count is then planned from a timed probe
+``train.budget_seconds``, the same training time on this machine: an Eagle3 step runs its
+layer over the whole sequence, then unrolls ``ttt_steps - 1`` more passes over its scored
+entries, so at equal steps it gets several times the compute of a block drafter. Each drafter's step count is then planned from a timed probe
 and kept in ``<run>/budget.json``, so a rerun resumes the same plan.
 """
 from __future__ import annotations

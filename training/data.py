@@ -13,6 +13,13 @@ cost) or written once to a memory-mappable cache (``features: cache``):
     features/aux.npy         [N, m*d] float16  concatenated layer_ids outputs
     features/last.npy        [N, d]   float16  final hidden (after the final norm)
     features/offsets.npy     [R+1]    int64    record r owns rows offsets[r]:offsets[r+1]
+    features/lse.npy         [N]      float32  logsumexp of the target's logits from last.npy
+    features/argmax.npy      [N]      int32    the target's greedy token there
+
+The last two (``"target_stats"`` in the manifest, 8 bytes per token) are derived from
+``last.npy`` and added to a cache that lacks them (``write_target_stats``). With them a
+drafter over a draft vocabulary gets the target's probabilities from the draft ids' logits
+alone, not from the full-vocabulary LM head (training/trainer.py ``target_at``).
 """
 from __future__ import annotations
 
@@ -212,6 +219,38 @@ def write_feature_cache(target, records: list[Record], out_dir: Path, batch_size
     return manifest
 
 
+def write_target_stats(cache_dir: Path, lm_head: torch.nn.Linear, rows_per_chunk: int = 512) -> dict:
+    """Add the target's log-normalizer and greedy token at every cached position to the cache
+    at ``cache_dir`` (computed from the cached final hidden states, as training reads them);
+    returns the updated manifest. A cache that has them is left alone."""
+    manifest_path = cache_dir / "manifest.json"
+    m = json.loads(manifest_path.read_text())
+    if "target_stats" in m:
+        return m
+    last = np.load(cache_dir / "last.npy", mmap_mode="r")
+    n = last.shape[0]
+    tmp = {name: cache_dir / f"{name}.partial.npy" for name in ("lse", "argmax")}
+    lse = np.lib.format.open_memmap(tmp["lse"], mode="w+", dtype=np.float32, shape=(n,))
+    top = np.lib.format.open_memmap(tmp["argmax"], mode="w+", dtype=np.int32, shape=(n,))
+    w = lm_head.weight
+    with torch.no_grad():
+        for a in tqdm(range(0, n, rows_per_chunk), desc="target stats", unit="chunk"):
+            h = torch.from_numpy(np.asarray(last[a:a + rows_per_chunk], dtype=np.float32)).to(w.device, w.dtype)
+            logits = torch.nn.functional.linear(h, w).float()
+            lse[a:a + len(h)] = torch.logsumexp(logits, dim=-1).cpu().numpy()
+            top[a:a + len(h)] = logits.argmax(-1).cpu().numpy().astype(np.int32)
+    lse.flush(); top.flush()
+    del lse, top
+    for name, path in tmp.items():  # complete files only, then the manifest that names them
+        path.replace(cache_dir / f"{name}.npy")
+    stats_bytes = sum((cache_dir / f"{name}.npy").stat().st_size for name in tmp)
+    m["target_stats"] = {"lse": "lse.npy", "argmax": "argmax.npy", "bytes": stats_bytes}
+    m["bytes_total"] = m["bytes_total"] + stats_bytes
+    m["bytes_per_token"] = m["bytes_total"] / max(n, 1)
+    manifest_path.write_text(json.dumps(m, indent=2))
+    return m
+
+
 class FeatureCache:
     """Read-only, memory-mapped view of a feature cache; refuses mismatched or unknown caches."""
 
@@ -230,10 +269,29 @@ class FeatureCache:
         self.offsets = np.load(directory / "offsets.npy")
         if self.aux.shape[0] != m["num_tokens"] or self.offsets[-1] != m["num_tokens"]:
             raise DataError(f"{directory}: feature arrays are truncated ({self.aux.shape[0]} rows, manifest says {m['num_tokens']})")
+        self.lse = self.argmax = None
+        if "target_stats" in m:
+            try:
+                self.lse = np.load(directory / m["target_stats"]["lse"], mmap_mode="r")
+                self.argmax = np.load(directory / m["target_stats"]["argmax"], mmap_mode="r")
+            except (OSError, ValueError) as exc:
+                raise DataError(f"{directory}: unreadable target stats ({exc})") from exc
+            if self.lse.shape != (m["num_tokens"],) or self.argmax.shape != (m["num_tokens"],):
+                raise DataError(f"{directory}: target stats have {self.lse.shape[0]} / {self.argmax.shape[0]} rows, "
+                                f"manifest says {m['num_tokens']}")
+
+    @property
+    def has_target_stats(self) -> bool:
+        return self.lse is not None
 
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return torch.from_numpy(np.asarray(self.aux[a:b], dtype=np.float32)), torch.from_numpy(np.asarray(self.last[a:b], dtype=np.float32))
+
+    def target_stats(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``i``'s target log-normalizers [L] float32 and greedy tokens [L] int64."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return torch.from_numpy(np.array(self.lse[a:b])), torch.from_numpy(np.asarray(self.argmax[a:b], dtype=np.int64))
 
 
 def iterate_batches(n: int, batch_size: int, seed: int, start_step: int = 0) -> Iterator[list[int]]:
@@ -259,7 +317,8 @@ def prepare_data(cfg, target=None) -> dict:
     summary = {"records": len(records), "tokens": sum(len(r.ids) for r in records),
                "answer_tokens": sum(len(r.answer_ids) for r in records), "features": cfg.data.features}
     if cfg.data.features == "cache":
-        manifest = write_feature_cache(target, records, data_dir / "features")
+        write_feature_cache(target, records, data_dir / "features")
+        manifest = write_target_stats(data_dir / "features", target.lm_head)
         summary.update(cache_bytes=manifest["bytes_total"], cache_bytes_per_token=manifest["bytes_per_token"])
     (data_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

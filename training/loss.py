@@ -61,6 +61,13 @@ def target_dist(target_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> 
     return TargetDist(p_in, (1.0 - p_in.sum(-1)).clamp(min=0.0), argmax)
 
 
+def target_dist_from_lse(draft_logits: torch.Tensor, lse: torch.Tensor, argmax: torch.Tensor) -> TargetDist:
+    """The same TargetDist from the target's logits at the draft ids only, [..., N], its full-vocabulary
+    log-normalizer ``lse`` [...] and greedy token ``argmax`` [...] (a feature cache's target stats)."""
+    p_in = torch.exp(draft_logits.float() - lse.float().unsqueeze(-1))
+    return TargetDist(p_in, (1.0 - p_in.sum(-1)).clamp(min=0.0), argmax)
+
+
 @dataclass
 class LabelView:
     """Labels seen from the draft vocabulary."""

@@ -22,7 +22,7 @@ from .checkpoint import load_checkpoint, read_meta, save_checkpoint
 from .config import RunConfig
 from .data import FeatureCache, Record, iterate_batches, read_records
 from .draft_vocab import choose_draft_vocab
-from .loss import LossTerms, TargetDist, block_loss, eagle_loss, target_dist
+from .loss import LossTerms, TargetDist, block_loss, eagle_loss, target_dist, target_dist_from_lse
 from .markov_init import init_markov_from_bigrams
 from .models import build_drafter, drafter_config_for
 from .models.layers import copy_target_layers
@@ -39,6 +39,8 @@ class Batch:
     last: torch.Tensor  # [N, T, d]
     lengths: torch.Tensor  # [N]
     prompt_lens: torch.Tensor  # [N]
+    lse: torch.Tensor | None = None  # [N, T] target log-normalizers (a cache with target stats)
+    argmax: torch.Tensor | None = None  # [N, T] the target's greedy tokens there
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,17 +74,24 @@ def collate(records: list[Record], idx: list[int], target, cache: FeatureCache |
         tokens[j, : lens[j]] = torch.tensor(r.ids[: lens[j]])
     lengths = torch.tensor(lens)
     prompt_lens = torch.tensor([len(r.prompt_ids) for r in recs])
+    lse = top = None
     if cache is not None:
         aux = torch.zeros(len(recs), T, cache.manifest["aux_dim"])
         last = torch.zeros(len(recs), T, cache.manifest["last_dim"])
+        if cache.has_target_stats:
+            lse, top = torch.zeros(len(recs), T), torch.zeros(len(recs), T, dtype=torch.long)
         for j, i in enumerate(idx):
             a, l_ = cache.get(i)
             aux[j, : lens[j]], last[j, : lens[j]] = a[: lens[j]], l_[: lens[j]]
+            if lse is not None:
+                s_, t_ = cache.target_stats(i)
+                lse[j, : lens[j]], top[j, : lens[j]] = s_[: lens[j]], t_[: lens[j]]
     else:
         mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
         f = target.features(tokens.to(device), mask.long().to(device))
         aux, last = f.aux, f.last
-    return Batch(tokens.to(device), aux.to(device), last.to(device), lengths.to(device), prompt_lens.to(device))
+    return Batch(tokens.to(device), aux.to(device), last.to(device), lengths.to(device), prompt_lens.to(device),
+                 None if lse is None else lse.to(device), None if top is None else top.to(device))
 
 
 def sample_anchors(b: Batch, blocks: int, gen: torch.Generator) -> torch.Tensor:
@@ -106,7 +115,7 @@ def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     safe = tgt_pos.clamp(max=T - 1)
     labels = b.tokens.gather(1, safe.view(N, -1)).view_as(safe)
     rows = torch.arange(N, device=safe.device).view(N, 1, 1)
-    target = target_at(core, b.last, rows, safe - 1)
+    target = target_at(core, b, rows, safe - 1)
     lc = cfg.algo.loss
     return block_loss(out.logits, target, labels, valid, out.conf_logits,
                       lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma, draft_ids_of(core))
@@ -125,24 +134,30 @@ def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
     pred = anchors.unsqueeze(0) + 2 + steps  # [S, N, P] predicted token positions
     valid = (pred < b.lengths.view(1, N, 1)) & (pred >= b.prompt_lens.view(1, N, 1))
     src = (pred - 1).clamp(max=T - 1)
-    target = target_at(core, b.last, torch.arange(N, device=src.device).view(1, N, 1), src)
+    target = target_at(core, b, torch.arange(N, device=src.device).view(1, N, 1), src)
     logits = core.draft_head(h)
     return eagle_loss(logits, target, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
 
 
 @torch.no_grad()
-def target_at(core: nn.Module, last: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> TargetDist:
-    """The target's next-token distribution from its final hidden states ``last`` [N, T, d] at
+def target_at(core: nn.Module, b: Batch, rows: torch.Tensor, pos: torch.Tensor) -> TargetDist:
+    """The target's next-token distribution from the batch's final hidden states [N, T, d] at
     (``rows``, ``pos``) (broadcast together; any shape), over the drafter's vocabulary.
 
     Computed once per distinct (row, position) and gathered: overlapping blocks (and Eagle3's
     unrolled steps) predict the same positions, and the LM head over the full vocabulary plus
-    its softmax is the largest cost of a CPU training step."""
-    N, T, d = last.shape
+    its softmax is the largest cost of a CPU training step. With a draft vocabulary and the
+    cache's target stats only the draft ids' rows of the LM head are needed (8,192 of 49,152
+    on SmolLM2)."""
+    N, T, d = b.last.shape
     flat = (rows * T + pos).reshape(-1)
     uniq, inverse = torch.unique(flat, return_inverse=True)
-    hidden = last.reshape(N * T, d).index_select(0, uniq).to(core.lm_head.weight.dtype)
-    dist = target_dist(core.lm_head(hidden), draft_ids_of(core))
+    hidden = b.last.reshape(N * T, d).index_select(0, uniq).to(core.lm_head.weight.dtype)
+    ids = draft_ids_of(core)
+    if ids is not None and b.lse is not None:
+        dist = target_dist_from_lse(core.draft_head(hidden), b.lse.reshape(-1)[uniq], b.argmax.reshape(-1)[uniq])
+    else:
+        dist = target_dist(core.lm_head(hidden), ids)
     return dist.take(inverse.view(torch.broadcast_shapes(rows.shape, pos.shape)))
 
 

@@ -112,22 +112,34 @@ def test_draft_draw_takes_the_argmax_for_greedy_rows_and_samples_the_others():
 
 
 @pytest.mark.parametrize("draft_ids", [None, torch.tensor([0, 3, 5, 9, 17, 40, 63])])
-def test_target_distribution_computed_once_per_position_equals_the_per_slot_one(draft_ids):
-    """Overlapping slots share one LM-head row; the gathered result is the per-slot computation."""
+@pytest.mark.parametrize("cached_stats", [False, True])
+def test_target_distribution_computed_once_per_position_equals_the_per_slot_one(draft_ids, cached_stats):
+    """Overlapping slots share one LM-head row; the gathered result is the per-slot computation.
+    With a feature cache's target stats (log-normalizer, greedy token) and a draft vocabulary
+    only the draft ids' rows of the LM head are used, for the same distribution."""
     from types import SimpleNamespace
 
     from dspark.training.loss import target_dist
-    from dspark.training.trainer import target_at
+    from dspark.training.trainer import Batch, target_at
 
     g = torch.Generator().manual_seed(0)
     lm_head = torch.nn.Linear(16, 64, bias=False)
-    core = SimpleNamespace(lm_head=lm_head, draft_ids=draft_ids,
+    draft_head = lm_head
+    if draft_ids is not None:
+        draft_head = torch.nn.Linear(16, draft_ids.numel(), bias=False)
+        draft_head.weight.data.copy_(lm_head.weight.data[draft_ids])
+    core = SimpleNamespace(lm_head=lm_head, draft_head=draft_head, draft_ids=draft_ids,
                            cfg=SimpleNamespace(draft_vocab_size=0 if draft_ids is None else draft_ids.numel()))
     last = torch.randn(3, 10, 16, generator=g)
+    with torch.no_grad():
+        logits = lm_head(last)
+    stats = (torch.logsumexp(logits, -1), logits.argmax(-1)) if cached_stats else (None, None)
+    b = Batch(torch.zeros(3, 10, dtype=torch.long), torch.zeros(3, 10, 1), last, torch.full((3,), 10),
+              torch.zeros(3, dtype=torch.long), *stats)
     pos = torch.randint(0, 10, (3, 5, 4), generator=g)
     pos[0, 1] = pos[0, 0]  # two blocks predicting the same positions
     rows = torch.arange(3).view(3, 1, 1)
-    got = target_at(core, last, rows, pos)
+    got = target_at(core, b, rows, pos)
     want = target_dist(lm_head(last.gather(1, pos.view(3, -1, 1).expand(-1, -1, 16))).view(3, 5, 4, 64), draft_ids)
     torch.testing.assert_close(got.p_t, want.p_t)
     assert torch.equal(got.argmax, want.argmax)
