@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -155,7 +156,10 @@ def target_at(core: nn.Module, b: Batch, rows: torch.Tensor, pos: torch.Tensor) 
     hidden = b.last.reshape(N * T, d).index_select(0, uniq).to(core.lm_head.weight.dtype)
     ids = draft_ids_of(core)
     if ids is not None and b.lse is not None:
-        dist = target_dist_from_lse(core.draft_head(hidden), b.lse.reshape(-1)[uniq], b.argmax.reshape(-1)[uniq])
+        # float32 logits: they are normalized by a float32 lse, not by their own softmax
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), core.draft_head.weight.float())
+        dist = target_dist_from_lse(logits, b.lse.reshape(-1)[uniq], b.argmax.reshape(-1)[uniq])
     else:
         dist = target_dist(core.lm_head(hidden), ids)
     return dist.take(inverse.view(torch.broadcast_shapes(rows.shape, pos.shape)))
