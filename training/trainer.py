@@ -267,10 +267,14 @@ def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record
             "accept_len_est": 1.0 + float(torch.cumprod(est, 0).sum())}
 
 
-def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
+def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 20) -> float:
     """Time this run's optimizer step on this machine: a throwaway drafter, one warm-up step,
-    then the median of ``probe_steps`` timed steps. Used to give drafters equal training time;
-    other work on the machine during the probe skews the plan (the report keeps real times)."""
+    then the mean of ``probe_steps`` timed steps. Used to give drafters equal training time;
+    other work on the machine during the probe skews the plan (the report keeps real times).
+
+    The mean, not the median: a step's time grows with its batch's longest record, so step
+    times are skewed to the right and a run lasts steps x mean. Five steps and their median gave
+    two drafters of a 720 s budget 884 s and 805 s (docs/benchmarks/train_compare.md)."""
     import statistics
     import time
 
@@ -293,7 +297,7 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 5) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.fmean(times[1:])
 
 
 def _log_step(writer, step: int, terms: LossTerms, lr: float, gnorm: float) -> None:
