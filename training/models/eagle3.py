@@ -68,17 +68,13 @@ class Eagle3Drafter(TargetTiedDrafter):
         outs = [self.norm(h)]
         sees_true = torch.arange(T, device=dev).view(1, 1, T) <= positions.unsqueeze(-1)  # [N, P, T]
         eye = torch.eye(P, dtype=torch.bool, device=dev).expand(N, P, P)
-        chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        past = true_kv  # per layer: the true entries, then each unrolled step's chain entries
         for k in range(1, steps):
             xk = self.entry(h, tokens.gather(1, (positions + 1 + k).clamp(max=T - 1)))  # x_{i+1+k}
             # keys: true entries <= i, then this chain's steps 1..k-1, then its own entry
-            past = []
-            for li in range(len(self.layers)):
-                past.append((torch.cat([true_kv[li][0]] + [c[li][0] for c in chain], dim=2),
-                             torch.cat([true_kv[li][1]] + [c[li][1] for c in chain], dim=2)))
-            mask = torch.cat([sees_true] + [eye] * (len(chain) + 1), dim=-1)
+            mask = torch.cat([sees_true] + [eye] * k, dim=-1)
             h, kv_k = self.run_layers(xk, positions + k, past, mask)
-            chain.append(kv_k)
+            past = [(torch.cat([pk, nk], dim=2), torch.cat([pv, nv], dim=2)) for (pk, pv), (nk, nv) in zip(past, kv_k)]
             outs.append(self.norm(h))
         return torch.stack(outs)
 
