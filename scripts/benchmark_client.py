@@ -8,7 +8,7 @@
 
 Writes <out>.json, <out>.md and <out>.png (sweep) or <out>.json and <out>.md (soak).
 Prompts: the first turn of each {"turns": [...]} line of --prompts (JSONL files or
-folders; default $DSPARK_DATA/eval, data/eval or ../shared/data/eval, *.jsonl).
+folders; default the kit's data/eval, or $DSPARK_DATA/eval, *.jsonl).
 Logic: dspark.engine.serving.bench.
 """
 from __future__ import annotations
@@ -21,14 +21,13 @@ from pathlib import Path
 
 from dspark.engine.serving import bench
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def prompt_files(args_prompts: list[str]) -> list[Path]:
     if not args_prompts:
-        files = bench.default_prompt_files(ROOT)
+        files = bench.default_prompt_files()
         if not files:
-            sys.exit("no prompts: pass --prompts FILE.jsonl (none in data/eval or ../shared/data/eval)")
+            sys.exit("no prompts: pass --prompts FILE.jsonl (the kit's data/eval holds no *.jsonl)")
         return files
     files: list[Path] = []
     for p in map(Path, args_prompts):

@@ -9,7 +9,7 @@
 #     TARGET   Hugging Face directory of the target (or a .gguf, needs the gguf package)
 #     DRAFTER  drafter checkpoint directory (model.safetensors + drafter.json)
 #     STS_JSON STS temperatures from `dspark calibrate` (optional)
-#   env: DATA_ROOT (folder with eval/; default ../shared/data), BATCHES (1,4,16,64),
+#   env: DATA_ROOT (folder with eval/; default the kit's data/), BATCHES (1,4,16,64),
 #        DEVICE (cuda; cpu for a dry run), MAX_TOKENS (64), NAME (decode_h200), RESULTS (folder for results and logs; docs/benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -61,7 +61,7 @@ class AlgoConfig:
 @dataclass
 class DataConfig:
     sources: list[str] = field(default_factory=lambda: ["gsm8k", "mbpp", "chat"])
-    data_root: str | None = None  # folder holding gsm8k/, mbpp/, chat/, eval/; default: ../shared/data
+    data_root: str | None = None  # folder holding gsm8k/, mbpp/, chat/, eval/; default: the kit's data/ ($DSPARK_DATA overrides)
     max_prompts: int = 240
     max_prompt_tokens: int = 256
     max_new_tokens: int = 160

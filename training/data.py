@@ -48,17 +48,23 @@ class DataError(RuntimeError):
     pass
 
 
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data"
+"""The prompt data shipped with the kit: ``data/`` of a checkout, ``dspark/data`` of an install."""
+
+
 def find_data_root(explicit: str | None = None) -> Path:
-    """The prompt data folder: explicit, $DSPARK_DATA, or a ``shared/data`` next to a parent."""
-    candidates = [explicit, os.environ.get("DSPARK_DATA")]
-    for base in [Path.cwd(), Path(__file__).resolve().parent]:
-        for parent in [base, *base.parents]:
-            candidates.append(str(parent / "shared" / "data"))
-            candidates.append(str(parent.parent / "shared" / "data"))
-    for c in candidates:
-        if c and (Path(c) / "eval").is_dir():
-            return Path(c)
-    raise DataError("prompt data not found: pass data.data_root=... or set DSPARK_DATA to the folder holding eval/, gsm8k/, mbpp/, chat/")
+    """The prompt data folder: ``explicit`` (``data.data_root``), else ``$DSPARK_DATA``, else the
+    copy shipped with the kit. A folder that was asked for but holds no ``eval/`` is an error, not
+    a silent fall-back to another copy."""
+    for origin, value in (("data.data_root", explicit), ("DSPARK_DATA", os.environ.get("DSPARK_DATA"))):
+        if value:
+            if not (Path(value) / "eval").is_dir():
+                raise DataError(f"{origin}={value} holds no eval/ folder: point it at a folder holding eval/, gsm8k/, mbpp/, chat/")
+            return Path(value)
+    if (PACKAGED_DATA / "eval").is_dir():
+        return PACKAGED_DATA
+    raise DataError(f"prompt data not found at {PACKAGED_DATA} (a broken install?): pass data.data_root=... "
+                    "or set DSPARK_DATA to the folder holding eval/, gsm8k/, mbpp/, chat/")
 
 
 def _read_json_any(path: Path) -> list[dict]:

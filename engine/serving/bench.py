@@ -22,6 +22,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ...training.data import find_data_root
 from ..host import cpu_model
 from .client import Result, StreamClient, make_inputs
 
@@ -29,16 +30,9 @@ SYSTEMS = {"spec": "ensemble", "target_only": "ensemble_target_only"}
 
 
 # prompts -------------------------------------------------------------------------------
-def default_prompt_files(root: Path) -> list[Path]:
-    """``eval/*.jsonl`` of ``$DSPARK_DATA``, else the repo's ``data/``, else ``../shared/data``."""
-    candidates = [root / "data" / "eval", root.parent / "shared" / "data" / "eval"]
-    if os.environ.get("DSPARK_DATA"):
-        candidates.insert(0, Path(os.environ["DSPARK_DATA"]) / "eval")
-    for d in candidates:
-        files = sorted(d.glob("*.jsonl"))
-        if files:
-            return files
-    return []
+def default_prompt_files() -> list[Path]:
+    """``eval/*.jsonl`` of the kit's prompt data (``$DSPARK_DATA`` overrides the shipped copy)."""
+    return sorted((find_data_root() / "eval").glob("*.jsonl"))
 
 
 def load_prompts(files: Iterable[Path], limit: int | None = None) -> list[str]:
