@@ -1,6 +1,5 @@
 """The prompt data ships with the kit and is found without anything beside the checkout.
 
-The kit used to look for ``../shared/data``; a clone anywhere else could not run its main job.
 These tests copy the checkout into a temporary folder (nothing named ``shared`` around it),
 import the kit from that copy and check that the training prompts and eval sets resolve to
 the clone's own ``data/``, and that the overrides still win and fail loudly when wrong.
