@@ -111,7 +111,7 @@ def cmd_quickstart(args) -> None:
 
 
 def cmd_bench_train(args) -> None:
-    from dspark.training.compare import run_comparison
+    from dspark.engine.train_compare import run_comparison
     from dspark.training.models import DRAFTERS
 
     cfg = _load(args)

@@ -153,7 +153,7 @@ def test_every_bundled_target_profile_resolves(name):
 
 
 def test_equal_time_budget_plans_steps_once_per_run(tmp_path):
-    from dspark.training.compare import plan_steps
+    from dspark.engine.train_compare import plan_steps
     cfg = _cfg(tmp_path, "dspark", "budget", 6, 6)
     plan = plan_steps(cfg, None, 120.0, lambda c, t: 0.5)
     assert plan == {"budget_seconds": 120.0, "seconds_per_step": 0.5, "steps": 240}
@@ -248,7 +248,7 @@ def test_comparison_keeps_finished_drafters_when_a_later_one_fails(tmp_path, mon
     import dspark.training.data as data_mod
     import dspark.training.target as target_mod
     import dspark.training.trainer as trainer_mod
-    from dspark.training.compare import run_comparison
+    from dspark.engine.train_compare import run_comparison
 
     cfg = _cfg(tmp_path, "dspark", "cmp", 3, 3)
     data = cfg.run_dir / "data"

@@ -2,7 +2,8 @@
 
 Same self-distilled records, same feature cache, same batch / anchors per sequence /
 learning-rate schedule; then the same batch-1 evaluation on math, code and chat at each
-temperature. Writes ``train_compare.json``, ``.md`` and a plot.
+temperature. Writes ``train_compare.json``, ``.md`` and a plot. It lives in the engine layer
+because it evaluates with the engine (training never imports the engine).
 
 The budget is either the same step count (``train.steps``) or, with
 ``train.budget_seconds``, the same training time on this machine: an Eagle3 step runs its
@@ -19,14 +20,14 @@ from pathlib import Path
 
 
 def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("dspark", "dflash", "eagle3")) -> dict:
-    from dspark.engine.evaluate import evaluate, print_table
+    from dspark.training.checkpoint import load_checkpoint, read_meta
+    from dspark.training.config import load_algo
+    from dspark.training.data import prepare_data
+    from dspark.training.models import draft_layers_for
+    from dspark.training.target import load_target
+    from dspark.training.trainer import seconds_per_step, train
 
-    from .checkpoint import load_checkpoint, read_meta
-    from .config import load_algo
-    from .data import prepare_data
-    from .models import draft_layers_for
-    from .target import load_target
-    from .trainer import seconds_per_step, train
+    from .evaluate import evaluate, print_table
 
     target = load_target(cfg.target)
     prepare_data(cfg, target)
