@@ -92,6 +92,16 @@ class _Live:
                 return True
 
 
+def engine_vocab_size(engine: GenerationEngine) -> int | None:
+    """The engine's vocabulary size (``engine.vocab_size``, else its target's), or None if it
+    tells neither; it bounds the token ids a request may name (prompt, ``end_id``)."""
+    for owner in (engine, getattr(engine, "target", None)):
+        size = getattr(owner, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return None
+
+
 def response_tensors(new_ids: list[int], prefix_ids: list[int], final: bool, total: int,
                      out: RequestOutput, finish_reason: str | None) -> dict[str, np.ndarray]:
     accept_len = out.accept_len
@@ -114,8 +124,10 @@ def response_tensors(new_ids: list[int], prefix_ids: list[int], final: bool, tot
 class LLMService:
     def __init__(self, engine: GenerationEngine, metrics: ServingMetrics | None = None,
                  default_max_tokens: int = 64, cancel_poll_s: float = 0.1,
-                 prefix_window_tokens: int = PREFIX_WINDOW, name: str = "dspark_llm"):
+                 prefix_window_tokens: int = PREFIX_WINDOW, name: str = "dspark_llm",
+                 vocab_size: int | None = None):
         self.engine = engine
+        self.vocab_size = vocab_size if vocab_size is not None else engine_vocab_size(engine)
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
         self.cancel_poll_s = cancel_poll_s
@@ -171,7 +183,8 @@ class LLMService:
             if T.scalar(inputs, T.STOP, "bool", default=False):
                 self._stop_request(channel, inputs, client_id)
                 return None
-            req = parse_llm_request(inputs, self.engine.max_context, self.default_max_tokens, parameters)
+            req = parse_llm_request(inputs, self.engine.max_context, self.default_max_tokens, parameters,
+                                    vocab_size=self.vocab_size)
         except (RequestValidationError, ValueError) as e:  # ValueError: malformed parameters JSON
             self._reject(channel, str(e))
             return None

@@ -2,8 +2,9 @@
 
 Triton already refuses unknown input names, wrong data types and wrong ranks (from
 config.pbtxt); what is checked here is what the config cannot say: one sequence per
-request, non-empty prompts that fit the context, positive output lengths, sane sampling
-values, and no unknown request parameters. Every failure is a ``RequestValidationError``
+request, non-empty prompts that fit the context, token ids (prompt and ``end_id``) inside
+the vocabulary, positive output lengths, sane sampling values, and no unknown request
+parameters. Every failure is a ``RequestValidationError``
 whose message goes back to the client as an INVALID_ARG error.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from . import tensors as T
 # (``triton_*``, e.g. triton_enable_empty_final_response) are ignored here.
 KNOWN_PARAMETERS: frozenset[str] = frozenset()
 MAX_SEED = 2**63 - 1
+NO_END_ID = -1  # end_id meaning "no end token", as in the TensorRT-LLM backend
 
 
 @dataclass
@@ -45,8 +47,23 @@ def parse_parameters(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
     return params
 
 
+def check_end_id(end_id: int, vocab_size: int | None) -> list[int]:
+    """The stop token ids an ``end_id`` asks for: -1 means none (the TensorRT-LLM backend's
+    convention); any other id must be a token of the vocabulary."""
+    if end_id == NO_END_ID:
+        return []
+    if end_id < 0 or (vocab_size is not None and end_id >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab)"
+        raise RequestValidationError(
+            f"{T.END_ID}={end_id} is not a token id: use one in {bound}, or -1 for no end token")
+    return [end_id]
+
+
 def parse_llm_request(inputs: T.Tensors, max_context: int, default_max_tokens: int = 64,
-                      parameters: str | Mapping[str, Any] | None = None) -> LLMRequest:
+                      parameters: str | Mapping[str, Any] | None = None,
+                      vocab_size: int | None = None) -> LLMRequest:
+    """One request's tensors -> prompt ids and SamplingParams; ``vocab_size`` (the target's)
+    bounds the prompt ids and ``end_id`` (None: only negative ids are refused)."""
     parse_parameters(parameters)
     ids = T.one_row(inputs, T.INPUT_IDS)
     if ids is None:
@@ -61,6 +78,9 @@ def parse_llm_request(inputs: T.Tensors, max_context: int, default_max_tokens: i
         raise RequestValidationError("the prompt is empty (0 tokens)")
     if min(prompt) < 0:
         raise RequestValidationError(f"{T.INPUT_IDS}: negative token id {min(prompt)}")
+    if vocab_size is not None and max(prompt) >= vocab_size:
+        raise RequestValidationError(
+            f"{T.INPUT_IDS}: token id {max(prompt)} outside the vocabulary [0, {vocab_size})")
     if len(prompt) >= max_context:
         raise RequestValidationError(
             f"the prompt has {len(prompt)} tokens; the engine context is {max_context} tokens "
@@ -79,10 +99,8 @@ def parse_llm_request(inputs: T.Tensors, max_context: int, default_max_tokens: i
     seed = T.scalar(inputs, T.RANDOM_SEED, "int")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise RequestValidationError(f"random_seed must be in [0, 2^63), got {seed}")
-    stop_ids = []
     end_id = T.scalar(inputs, T.END_ID, "int")
-    if end_id is not None and end_id >= 0:  # -1 = no end token, as in TensorRT-LLM
-        stop_ids.append(end_id)
+    stop_ids = [] if end_id is None else check_end_id(end_id, vocab_size)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=T.scalar(inputs, T.TEMPERATURE, "float", default=0.0),

@@ -55,18 +55,34 @@ class Preprocessor:
 
 
 class Postprocessor:
-    """``output_ids`` (+ ``prefix_ids`` context) -> ``text_output``; statistics pass through."""
+    """``output_ids`` (+ ``prefix_ids`` context) -> ``text_output``; statistics pass through.
+
+    Ids come from the LLM model, but postprocessing can also be called directly: ids outside
+    the tokenizer's range are refused (the tokenizer would raise OverflowError on a negative
+    id and silently drop one past its end)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.num_tokens = len(tokenizer)
+
+    def token_ids(self, inputs: T.Tensors, name: str) -> list[int]:
+        row = T.one_row(inputs, name)
+        if row is None:
+            return []
+        if not np.issubdtype(row.dtype, np.integer):
+            raise RequestValidationError(f"{name}: expected integer token ids, got {row.dtype}")
+        ids = [int(i) for i in row]
+        bad = [i for i in ids if not 0 <= i < self.num_tokens]
+        if bad:
+            raise RequestValidationError(
+                f"{name}: token id {bad[0]} outside the tokenizer's range [0, {self.num_tokens})")
+        return ids
 
     def __call__(self, inputs: T.Tensors) -> dict[str, np.ndarray]:
-        new = T.one_row(inputs, T.OUTPUT_IDS)
-        prefix = T.one_row(inputs, T.PREFIX_IDS)
+        new_ids = self.token_ids(inputs, T.OUTPUT_IDS)
+        prefix_ids = self.token_ids(inputs, T.PREFIX_IDS)
         final = T.scalar(inputs, T.IS_FINAL, "bool", default=True)
-        new_ids = [] if new is None else [int(i) for i in new]
-        prefix_ids = [] if prefix is None else [int(i) for i in prefix]
         text = decode_chunk(self.tokenizer, prefix_ids, new_ids, final, self.skip_special_tokens)
         out = {T.TEXT_OUTPUT: T.bytes_tensor([text])}
         for name in T.STAT_OUTPUTS:

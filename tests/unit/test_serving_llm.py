@@ -159,6 +159,24 @@ def test_invalid_requests_get_one_invalid_arg_error(service, bad, message):
     assert service.num_live == 0
 
 
+def test_end_id_is_checked_against_the_engine_target_vocabulary():
+    engine = FakeEngine()
+    engine.target = type("T", (), {"vocab_size": 500})()  # SpecEngine keeps its vocabulary on .target
+    svc = llm.LLMService(engine, cancel_poll_s=0.01)
+    assert svc.vocab_size == 500
+    svc.start()
+    try:
+        for end_id in (500, 10**6, -7):
+            ch = Channel()
+            assert svc.submit(ch, {**inputs(), "end_id": np.array([[end_id]], np.int32)}) is None
+            assert ch.sent[0][3] == llm.INVALID_ARG and f"end_id={end_id} is not a token id" in ch.sent[0][2]
+        ch = Channel()
+        svc.submit(ch, {**inputs(max_tokens=2), "end_id": np.array([[499]], np.int32)})
+        assert ch.done.wait(5) and ch.sent[-1][2] is None
+    finally:
+        svc.close()
+
+
 def test_unknown_parameter_is_refused(service):
     ch = Channel()
     service.submit(ch, inputs(), parameters='{"beam_width": 4}')

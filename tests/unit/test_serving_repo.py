@@ -63,6 +63,20 @@ def test_ensemble_wiring_matches_the_composing_models(ensemble):
         assert produced.get(name) == dtype, f"{ensemble}: output {name} not produced with its type"
 
 
+@pytest.mark.parametrize("ensemble", list(ENSEMBLES))
+def test_every_ensemble_input_reaches_preprocessing_so_a_missing_text_input_is_refused(ensemble):
+    # Triton 2.51 checks a request's input count, not names: with text_input required, a request
+    # carrying only max_tokens scheduled no step and was never answered. So text_input is optional
+    # and preprocessing (which refuses its absence) sees every input the request may carry.
+    cfg = load(ensemble)
+    first = cfg.ensemble_scheduling.step[0]
+    assert first.model_name == "preprocessing"
+    public = {i.name for i in cfg.input}
+    assert set(first.input_map.values()) == public
+    assert all(i.optional for i in cfg.input), "a required ensemble input would skip the check"
+    assert all(i.optional for i in load("preprocessing").input)
+
+
 def test_llm_models_differ_only_in_name_and_mode():
     spec, base = load("dspark_llm"), load("dspark_llm_target_only")
     assert spec.model_transaction_policy.decoupled and base.model_transaction_policy.decoupled

@@ -41,6 +41,31 @@ def test_all_fields_map_to_sampling_params():
 
 def test_end_id_minus_one_means_no_end_token():
     assert parse_llm_request(req(end_id=one(-1, np.int32)), CTX).params.stop_token_ids == []
+    assert parse_llm_request(req(end_id=one(-1, np.int32)), CTX, vocab_size=VOCAB).params.stop_token_ids == []
+
+
+VOCAB = 49152
+
+
+@pytest.mark.parametrize("end_id", [10**6, VOCAB, -7, -2])
+def test_end_id_outside_the_vocabulary_is_refused_not_treated_as_no_end_token(end_id):
+    with pytest.raises(RequestValidationError, match=f"end_id={end_id} is not a token id.*-1 for no end token"):
+        parse_llm_request(req(end_id=one(end_id, np.int32)), CTX, vocab_size=VOCAB)
+
+
+def test_end_id_at_the_last_vocabulary_entry_is_a_stop_token():
+    r = parse_llm_request(req(end_id=one(VOCAB - 1, np.int32)), CTX, vocab_size=VOCAB)
+    assert r.params.stop_token_ids == [VOCAB - 1]
+
+
+def test_negative_end_id_is_refused_even_without_a_known_vocabulary():
+    with pytest.raises(RequestValidationError, match="end_id=-7"):
+        parse_llm_request(req(end_id=one(-7, np.int32)), CTX)
+
+
+def test_prompt_ids_past_the_vocabulary_are_refused():
+    with pytest.raises(RequestValidationError, match=f"token id {VOCAB} outside the vocabulary"):
+        parse_llm_request(req(input_ids=np.array([[5, VOCAB]], np.int32)), CTX, vocab_size=VOCAB)
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -88,6 +113,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
+    def __len__(self):
+        return 256
+
 
 def text_in(s):
     return {"text_input": np.array([[s.encode()]], dtype=object)}
@@ -107,6 +135,8 @@ def test_preprocessing_applies_the_chat_template_and_fills_end_id():
     ({"text_input": np.array([[b"\xff"]], dtype=object)}, "UTF-8"),
     ({**text_in("x"), "bad_words": np.array([[b"foo"]], dtype=object)}, "bad_words"),
     ({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, "batch size 2"),
+    # what the ensemble forwards for a request without text_input (every input goes to preprocessing)
+    ({"max_tokens": one(32, np.int32), "stream": one(False, bool)}, "text_input is required"),
 ])
 def test_preprocessing_refuses_bad_text(inputs, message):
     with pytest.raises(RequestValidationError, match=message):
@@ -119,3 +149,22 @@ def test_postprocessing_decodes_the_chunk_and_passes_statistics_through():
         "is_final": one(True, bool), "accept_len": one(2.5, np.float32)})
     assert out["text_output"][0, 0] == b"c"
     assert out["accept_len"][0, 0] == np.float32(2.5)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[1000000, -5]], "output_ids: token id 1000000 outside the tokenizer's range \\[0, 256\\)"),
+    ([[-5]], "token id -5 outside"),
+    ([[256]], "token id 256 outside"),
+])
+def test_postprocessing_refuses_ids_outside_the_tokenizer_in_one_line(ids, message):
+    with pytest.raises(RequestValidationError, match=message) as info:
+        Postprocessor(CharTokenizer())({"output_ids": np.array(ids, np.int32)})
+    assert "\n" not in str(info.value)
+
+
+def test_postprocessing_refuses_bad_prefix_ids_and_float_ids():
+    post = Postprocessor(CharTokenizer())
+    with pytest.raises(RequestValidationError, match="prefix_ids: token id -1"):
+        post({"output_ids": np.array([[97]], np.int32), "prefix_ids": np.array([[-1]], np.int32)})
+    with pytest.raises(RequestValidationError, match="integer token ids"):
+        post({"output_ids": np.array([[97.0]], np.float32)})
