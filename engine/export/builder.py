@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import manifest as mf
+from .weights import target_weight_files, weight_entry
 
 __all__ = ["BuildError", "WHAT_ALL", "WHAT_DEFAULT", "parse_what", "normalise_dtype", "target_weight_files",
            "tool_versions", "build_engine"]
@@ -55,17 +56,6 @@ def normalise_dtype(dtype: str) -> str:
         return _DTYPE_ALIASES[dtype.lower()]
     except KeyError:
         raise BuildError(f"--dtype {dtype!r}: choose float32, float16 or bfloat16") from None
-
-
-def target_weight_files(source: str | None) -> list[Path]:
-    """The file(s) holding the target's weights: the .gguf, or the HF dir's *.safetensors / *.bin."""
-    from dspark.training.target import resolve_source
-
-    directory, gguf = resolve_source(source)
-    if gguf:
-        return [directory / gguf]
-    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
-    return files
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -148,7 +138,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     weights = []
     if profile.source:
         for f in target_weight_files(profile.source):
-            weights.append({"path": f.name, **mf.file_entry(f)})
+            weights.append(weight_entry(f))  # hashed once: the load-time check reuses the digest
 
     if force and out.exists():
         shutil.rmtree(out)

@@ -20,7 +20,9 @@ manifest, there to refuse an engine that does not fit what is being loaded::
     }
 
 :func:`validate_engine_dir` checks, in order: the manifest version, every file's size and
-sha256 (a truncated or edited file), and the target identity against the loaded target.
+sha256 (a truncated or edited file), the target identity against the loaded target, and the
+loaded target's weight files against ``target.weights`` (another checkpoint of the same
+architecture and tokenizer; hashed once and cached, see ``weights.py``).
 Each failure is one typed exception with a one-line reason.
 """
 from __future__ import annotations
@@ -138,7 +140,9 @@ def validate_engine_dir(path: str | Path, target=None, files: str | tuple[str, .
     ``target``: a loaded ``Target`` (or anything with ``identity()``, or an identity dict);
     ``None`` skips the identity check. ``files``: ``"all"`` hashes every file listed,
     ``"runtime"`` only what the runtime loads (drafter/, sps, sts), or a tuple of
-    relative paths/folders. Raises ManifestVersionError, IntegrityError or TargetMismatchError.
+    relative paths/folders. A ``target`` with a ``profile`` (a loaded Target) also has its
+    weight files checked against ``target.weights``.
+    Raises ManifestVersionError, IntegrityError or TargetMismatchError.
     """
     root = Path(path)
     meta = read_manifest(root)
@@ -155,4 +159,9 @@ def validate_engine_dir(path: str | Path, target=None, files: str | tuple[str, .
     if target is not None:
         identity = target if isinstance(target, dict) else target.identity()
         _check_target(meta, identity, str(root))
+        profile = getattr(target, "profile", None)
+        if profile is not None:
+            from .weights import check_target_weights
+
+            check_target_weights((meta.get("target") or {}).get("weights"), profile.source, str(root))
     return meta

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from dspark.engine.export import builder, manifest as mf
+from dspark.engine.export import builder, manifest as mf, weights
 from dspark.engine.export.deepspec_import import DeepSpecImportError, import_deepspec
 from dspark.engine.export.hf_export import export_hf, to_deepspec_state
 from dspark.engine.export.trt_build import TensorRTUnavailable, tensorrt_version
@@ -249,3 +249,91 @@ def test_parity_check_runs_the_engine_directory_own_onnx_with_its_sps_and_sts(tm
     other = parity_case(DraftStep(drafter, None).eval(), ort_session(onnx_path), aux, lens, anchor, lens, table,
                         repeats=1)
     assert other.conf_max_abs_diff > 1e-4
+
+
+# -- the target's weight hash, checked at load -------------------------------------------------
+def _weights_dir(tmp_path, payload=b"weights v1"):
+    d = tmp_path / "target"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(payload)
+    return d
+
+
+@pytest.fixture
+def hash_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = weights.sha256_file
+    monkeypatch.setattr(weights, "sha256_file", lambda p: calls.append(p) or real(p))
+    return calls
+
+
+def _target_with_source(target, source):
+    from types import SimpleNamespace
+
+    ident = target.identity()
+    return SimpleNamespace(identity=lambda: ident, profile=SimpleNamespace(source=str(source)))
+
+
+def _engine_recording(root, name, weights_entries):
+    eng = _copy(root, name)
+    meta = json.loads((eng / "engine.json").read_text())
+    meta["target"]["weights"] = weights_entries
+    (eng / "engine.json").write_text(json.dumps(meta))
+    return eng
+
+
+def test_load_validation_accepts_the_weights_the_engine_was_built_against(built, tmp_path, hash_cache):
+    target, _, root, _ = built
+    src = _weights_dir(tmp_path)
+    eng = _engine_recording(root, "w-ok", [weights.weight_entry(src / "model.safetensors")])
+    mf.validate_engine_dir(eng, _target_with_source(target, src), files="runtime")
+
+
+def test_load_validation_refuses_a_zeroed_weight_hash_in_one_line(built, tmp_path, hash_cache):
+    target, _, root, _ = built
+    src = _weights_dir(tmp_path)
+    entry = dict(weights.weight_entry(src / "model.safetensors"), sha256="0" * 64)
+    eng = _engine_recording(root, "w-zero", [entry])
+    with pytest.raises(mf.TargetMismatchError, match="sha256 .* engine.json says 000000000000.*another checkpoint") as info:
+        mf.validate_engine_dir(eng, _target_with_source(target, src), files="runtime")
+    assert "\n" not in str(info.value)
+
+
+def test_load_validation_refuses_another_checkpoint_of_the_same_size(built, tmp_path, hash_cache):
+    target, _, root, _ = built
+    src = _weights_dir(tmp_path)
+    eng = _engine_recording(root, "w-other", [weights.weight_entry(src / "model.safetensors")])
+    (src / "model.safetensors").write_bytes(b"weights v2")  # same size, new content and mtime
+    with pytest.raises(mf.TargetMismatchError, match="another checkpoint"):
+        mf.validate_engine_dir(eng, _target_with_source(target, src), files="runtime")
+
+
+def test_load_validation_refuses_a_missing_weight_file(built, tmp_path, hash_cache):
+    target, _, root, _ = built
+    src = _weights_dir(tmp_path)
+    eng = _engine_recording(root, "w-missing", [{"path": "other.safetensors", "bytes": 1, "sha256": "0" * 64}])
+    with pytest.raises(mf.TargetMismatchError, match="'other.safetensors'"):
+        mf.validate_engine_dir(eng, _target_with_source(target, src), files="runtime")
+
+
+def test_weight_hash_is_computed_once_and_redone_when_size_or_mtime_change(tmp_path, hash_cache):
+    f = _weights_dir(tmp_path) / "model.safetensors"
+    first = weights.cached_sha256(f)
+    assert weights.cached_sha256(f) == first and len(hash_cache) == 1, "second lookup must come from the cache"
+    cache = json.loads((tmp_path / "cache" / weights.CACHE_NAME).read_text())
+    assert cache[str(f.resolve())]["sha256"] == first
+    f.write_bytes(b"weights v2")
+    st = f.stat()
+    import os
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert weights.cached_sha256(f) != first and len(hash_cache) == 2
+
+
+def test_a_damaged_hash_cache_is_rebuilt(tmp_path, hash_cache):
+    f = _weights_dir(tmp_path) / "model.safetensors"
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / weights.CACHE_NAME).write_text("{not json")
+    assert weights.cached_sha256(f) == mf.sha256_file(f)
+    assert json.loads((tmp_path / "cache" / weights.CACHE_NAME).read_text())
