@@ -202,7 +202,8 @@ def cmd_build(args) -> None:
         m = build_engine(drafter_dir=args.drafter, output=args.output, target_profile=args.target,
                          target_source=args.target_source, dtype=args.dtype, max_batch=args.max_batch,
                          max_context=args.max_context, block_size=args.block_size, what=args.what, sps=args.sps,
-                         sts=args.sts, plugin_lib=args.plugin_lib, force=args.force)
+                         sts=args.sts, plugin_lib=args.plugin_lib, force=args.force,
+                         trtllm_version=args.trtllm_version)
     except TensorRTUnavailable as exc:
         print(f"dspark build: error: trt not built: {exc} (the other targets were built into {args.output})",
               file=sys.stderr)
@@ -296,8 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--block-size", type=int, help="must equal the drafter's block size (checked)")
     p.add_argument("--what", default=None,
-                   help="comma list of onnx,hf,trtllm,trt (default onnx,hf,trtllm; hf and trtllm are skipped "
-                        "for a drafter over a draft vocabulary)")
+                   help="comma list of onnx,hf,trtllm,trt (default onnx,hf,trtllm; what the drafter cannot be "
+                        "exported to is skipped with the reason, or refused when asked for)")
+    p.add_argument("--trtllm-version", default=None,
+                   help="TensorRT-LLM whose option spelling trtllm/ uses: main (upstream source, default) or 1.4")
     p.add_argument("--sps", help="SPS table JSON to copy in (dspark profile)")
     p.add_argument("--sts", help="STS calibration JSON to copy in (dspark calibrate)")
     p.add_argument("--plugin-lib", help="libdspark_trt_plugin.so for --what ...,trt")

@@ -16,6 +16,10 @@ from typing import Any
 import yaml
 
 
+# decoder-layer styles of a drafter (training/models/layers.py holds what each means)
+LAYER_STYLES = ("qwen3", "llama", "target")
+
+
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message says which key and why."""
 
@@ -32,6 +36,9 @@ class TargetProfile:
     draft_layers: int = 1
     markov_rank: int = 128
     draft_vocab: int = 0  # drafters predict over this many frequent target ids; 0 = all (training/draft_vocab.py)
+    # decoder-layer style of new drafters (training/models/layers.py): qwen3 (per-head q/k RMSNorm,
+    # the layer vLLM's and TensorRT-LLM's DSpark loaders build) | llama | target (the family's own)
+    layer_style: str = "qwen3"
 
 
 @dataclass
@@ -55,6 +62,9 @@ class AlgoConfig:
     # draft layers for this algorithm; None = the target profile's ``draft_layers``. The report
     # gives Eagle3 one layer and the block drafters five: eagle3.yaml pins 1
     draft_layers: int | None = None
+    # decoder-layer style for this algorithm; None = the target profile's ``layer_style``.
+    # eagle3.yaml pins llama: the EAGLE-3 midlayer vLLM and SGLang load has no q/k norm
+    layer_style: str | None = None
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -228,6 +238,8 @@ def validate_target_profile(p: TargetProfile) -> None:
         raise ConfigError(f"target {p.name}: block_size must be in [1, 32], got {p.block_size}")
     if p.draft_layers < 1:
         raise ConfigError(f"target {p.name}: draft_layers must be >= 1, got {p.draft_layers}")
+    if p.layer_style not in LAYER_STYLES:
+        raise ConfigError(f"target {p.name}: layer_style must be one of {', '.join(LAYER_STYLES)}, got {p.layer_style!r}")
     if p.draft_vocab < 0:
         raise ConfigError(f"target {p.name}: draft_vocab must be >= 0 (0 = the whole vocabulary), got {p.draft_vocab}")
 
@@ -271,6 +283,9 @@ def load_run_config(path_or_name: str | None = None, overrides: list[str] | None
                           f"{cfg.algo.markov_head!r}: add algo.markov_init=zero")
     if cfg.algo.draft_layers is not None and cfg.algo.draft_layers < 1:
         raise ConfigError(f"algo.draft_layers must be >= 1 (or unset: the target profile's), got {cfg.algo.draft_layers}")
+    if cfg.algo.layer_style is not None and cfg.algo.layer_style not in LAYER_STYLES:
+        raise ConfigError(f"algo.layer_style must be one of {', '.join(LAYER_STYLES)} (or unset: the target "
+                          f"profile's), got {cfg.algo.layer_style!r}")
     if cfg.train.init_layers not in ("random", "target"):
         raise ConfigError(f"train.init_layers must be random or target, got {cfg.train.init_layers!r}")
     validate_target_profile(cfg.target)

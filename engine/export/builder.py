@@ -5,13 +5,18 @@
       drafter/           copy of the checkpoint (model.safetensors, drafter.json)
       sps.json sts.json  copied in when given (--sps / --sts)
       onnx/              dspark_draft.onnx: drafter step + DSparkSchedule plugin node
-      hf/                reference-layout checkpoint (config.json + model.safetensors)
+      hf/                the drafter as engines load it (config.json + model.safetensors): the DSpark
+                         layout (vLLM / TensorRT-LLM / DeepSpec, hf_export.py) for dspark and dflash,
+                         the EAGLE-3 layout (vLLM / SGLang, eagle3_export.py) for eagle3
       trtllm/            llm_api_options.yaml (+ sps_cost_table.json in that loader's format)
       trt/               dspark_draft.plan (only with --what ...,trt on a TensorRT host)
 
 Targets in ``what``: onnx, hf, trtllm, trt (default onnx,hf,trtllm; trtllm implies hf).
-When ``trt`` is asked for and TensorRT is missing, everything else is still built and
-recorded, then :class:`~.trt_build.TensorRTUnavailable` is raised (the CLI exits 3).
+A target the drafter cannot be expressed in (onnx / trtllm / trt for an eagle3 drafter, hf for
+a drafter whose layers no engine builds) is refused with the reason when asked for, and
+skipped with the reason recorded under ``built`` by the default ``what``; the check runs before
+anything is written. When ``trt`` is asked for and TensorRT is missing, everything else is
+still built and recorded, then :class:`~.trt_build.TensorRTUnavailable` is raised (the CLI exits 3).
 """
 from __future__ import annotations
 
@@ -69,6 +74,16 @@ def tool_versions() -> dict[str, str | None]:
     return out
 
 
+def _skip(items: list[str], which: Sequence[str], reason: str, asked: bool, skipped: dict[str, dict]) -> list[str]:
+    """Drop the build targets ``which`` from ``items`` with ``reason``: a BuildError when the user
+    asked for them (``asked``), else recorded in ``skipped``."""
+    hit = [w for w in which if w in items]
+    if hit and asked:
+        raise BuildError(f"--what {','.join(hit)}: {reason}")
+    skipped.update({w: {"status": "skipped", "reason": reason} for w in hit})
+    return [w for w in items if w not in hit]
+
+
 def _copy_checkpoint(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("model.safetensors", "drafter.json"):
@@ -79,12 +94,14 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
                  target_source: str | None = None, dtype: str = "float32", max_batch: int = 64,
                  max_context: int = 2048, block_size: int | None = None, what: str | Sequence[str] | None = None,
                  sps: str | Path | None = None, sts: str | Path | None = None, plugin_lib: str | None = None,
-                 force: bool = False) -> dict:
+                 force: bool = False, trtllm_version: str | None = None) -> dict:
     """Build an engine directory; returns the manifest written to ``engine.json``.
 
     ``target_profile``: a profile name, a YAML path or a ``TargetProfile``; or pass an already
     loaded ``target`` (tests, notebooks). ``target_source`` overrides the profile's source.
+    ``trtllm_version``: the TensorRT-LLM whose option spelling ``trtllm/`` uses (trtllm_options.py).
     """
+    from .trtllm_options import TrtllmVersionError, resolve_version
     from dspark.training.checkpoint import KIT_VERSION, read_meta
     from dspark.training.config import TargetProfile, load_target_profile
     from dspark.training.models import DrafterConfig
@@ -99,17 +116,15 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     if block_size is not None and int(block_size) != dcfg.block_size:
         raise BuildError(f"--block-size {block_size} does not match the drafter's block_size {dcfg.block_size} "
                          f"({drafter_dir}/drafter.json); the block size is fixed at training time")
-    if dcfg.algo == "eagle3" and set(items) & {"onnx", "hf", "trtllm", "trt"}:
-        raise BuildError("eagle3 drafters have no block-drafter export; build targets are for dspark/dflash")
+    try:
+        trtllm_version = resolve_version(trtllm_version)
+    except TrtllmVersionError as exc:
+        raise BuildError(str(exc)) from None
     skipped: dict[str, dict] = {}
-    if dcfg.draft_vocab_size and set(items) & {"hf", "trtllm"}:
-        # the reference layout (and TensorRT-LLM's loader) drafts over the full vocabulary
-        reason = (f"the drafter predicts over a {dcfg.draft_vocab_size}-token draft vocabulary, which the reference "
-                  "HF layout cannot express; train with target.draft_vocab=0 for the HF / TensorRT-LLM export")
-        if what is not None:
-            raise BuildError(f"--what hf/trtllm: {reason}")
-        skipped = {w: {"status": "skipped", "reason": reason} for w in ("hf", "trtllm") if w in items}
-        items = [w for w in items if w not in skipped]
+    if dcfg.algo == "eagle3":
+        reason = ("an eagle3 drafter has no block-drafter ONNX / TensorRT graph and no TensorRT-LLM DSpark "
+                  "options; its hf/ export is the EAGLE-3 layout")
+        items = _skip(items, ("onnx", "trtllm", "trt"), reason, what is not None, skipped)
     if (out / "engine.json").exists() and not force:
         raise BuildError(f"{out} already holds an engine (engine.json); pass --force to overwrite")
     sps_table = sts_cal = None
@@ -135,6 +150,14 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     profile = target.profile
     from dspark.training.checkpoint import load_checkpoint
     drafter, dcfg, dmeta = load_checkpoint(drafter_dir, target)  # refuses a drafter for another target
+    if "hf" in items:
+        from .eagle3_export import check_eagle3_exportable
+        from .hf_export import check_exportable
+        from .layout import ExportError
+        try:
+            (check_eagle3_exportable if dcfg.algo == "eagle3" else check_exportable)(drafter)
+        except ExportError as exc:
+            items = _skip(items, ("hf", "trtllm"), str(exc), what is not None, skipped)
     weights = []
     if profile.source:
         for f in target_weight_files(profile.source):
@@ -159,10 +182,14 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
         built["onnx"] = export_onnx(drafter, out / "onnx" / "dspark_draft.onnx", sps_table=dense,
                                     sts_temperatures=sts_cal.temperatures if sts_cal else None, max_tokens=n_tokens)
     if "hf" in items:
-        from .hf_export import export_hf
-        built["hf"] = export_hf(drafter, target, out / "hf", dtype)
+        if dcfg.algo == "eagle3":
+            from .eagle3_export import export_eagle3
+            built["hf"] = export_eagle3(drafter, target, out / "hf", dtype)
+        else:
+            from .hf_export import export_hf
+            built["hf"] = export_hf(drafter, target, out / "hf", dtype)
     if "trtllm" in items:
-        from .hf_export import sps_to_trtllm, write_trtllm_options
+        from .trtllm_options import sps_to_trtllm, write_trtllm_options
         sps_rel = None
         if sps_table is not None:
             (out / "trtllm").mkdir(parents=True, exist_ok=True)
@@ -171,7 +198,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
         built["trtllm"] = write_trtllm_options(out / "trtllm", hf_dir="hf", block_size=K, max_batch=max_batch,
                                                max_context=max_context, dtype=dtype,
                                                sts_file="sts.json" if sts_cal else None, sps_file=sps_rel,
-                                               has_confidence=dcfg.confidence_head)
+                                               has_confidence=dcfg.confidence_head, version=trtllm_version)
     if "trt" in items:
         from .trt_build import TensorRTUnavailable, build_trt_engine
         if "onnx" not in built:

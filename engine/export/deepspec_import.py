@@ -5,10 +5,16 @@ draft config keys become a ``DrafterConfig``, and the result is checked against 
 target (hidden size, vocabulary, target layer ids, and that the file's frozen embedding /
 LM head have the target's shapes). Export then import reproduces our drafter bit for bit.
 
-Refused, each with a one-line ``ImportError_``: a Markov head other than ``vanilla``
+A draft vocabulary comes back from ``d2t`` (``draft_ids = arange(n) + d2t``); the full-vocabulary
+``markov_w1`` goes back to the kit's ``n + 1`` rows (the draft ids, then the one row every other
+target id shares), which exists only when all those other rows are equal: an export of ours always
+has them equal, a checkpoint trained elsewhere may not and is refused. The imported drafter has
+Qwen3 layers (``layer_style=qwen3``), the layout's.
+
+Refused, each with a one-line ``DeepSpecImportError``: a Markov head other than ``vanilla``
 (``gated``/``rnn`` are parameterised differently from ours), a confidence head that does
 not read the Markov embedding while a Markov head exists, layer id -1 (embedding output),
-a checkpoint for another target.
+a reduced vocabulary without ``d2t``, a checkpoint for another target.
 """
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspark.training.checkpoint import drafter_for_state
+from dspark.training.draft_vocab import DraftVocabError
 from dspark.training.jsonfile import read_json_file
 from dspark.training.models import DrafterConfig
 
-from .hf_export import FROZEN, rename_tensor
+from .hf_export import FROZEN, VOCAB_MAPS, rename_tensor
+from .layout import draft_ids_from_d2t
 
 __all__ = ["DeepSpecImportError", "from_deepspec_state", "config_from_deepspec", "import_deepspec"]
 
@@ -32,10 +40,11 @@ class DeepSpecImportError(RuntimeError):
 
 
 def from_deepspec_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """-> (our drafter state dict, the frozen tensors found: embed_tokens / lm_head)."""
+    """-> (our drafter state dict, the frozen tensors and vocabulary maps found: embed_tokens /
+    lm_head / d2t / t2d). The Markov ``W1`` is still over the full vocabulary here."""
     ours, frozen = {}, {}
     for name, t in state.items():
-        if name in FROZEN:
+        if name in FROZEN or name in VOCAB_MAPS:
             frozen[name] = t
             continue
         mine = rename_tensor(name, to_reference=False)
@@ -56,7 +65,8 @@ def config_from_deepspec(conf: dict, where: str = "config.json") -> DrafterConfi
             hidden_size=int(conf["hidden_size"]), vocab_size=int(conf["vocab_size"]),
             num_aux_layers=len(layer_ids), num_layers=int(conf["num_hidden_layers"]),
             block_size=int(conf["block_size"]), mask_token_id=int(conf["mask_token_id"]),
-            markov_head=kind, markov_rank=rank, confidence_head=conf_head)
+            markov_head=kind, markov_rank=rank, confidence_head=conf_head,
+            draft_vocab_size=_draft_vocab(conf), layer_style="qwen3")
     except (KeyError, TypeError, ValueError) as exc:
         raise DeepSpecImportError(f"{where}: missing or bad DSpark key ({exc})") from None
     if kind not in ("vanilla", "none"):
@@ -70,6 +80,24 @@ def config_from_deepspec(conf: dict, where: str = "config.json") -> DrafterConfi
         # the reference encodes "no Markov head" as rank 0; our config keeps the profile's rank
         cfg = dataclasses.replace(cfg, markov_rank=kit["markov_rank"])
     return cfg
+
+
+def _draft_vocab(conf: dict) -> int:
+    """The kit's draft_vocab_size: 0 when the checkpoint drafts over the whole vocabulary."""
+    n = int(conf.get("draft_vocab_size") or conf["vocab_size"])
+    return 0 if n >= int(conf["vocab_size"]) else n
+
+
+def _markov_w1_to_kit(w1: torch.Tensor, ids: torch.Tensor, where: str) -> torch.Tensor:
+    """Full-vocabulary W1 [V, r] -> the kit's [n + 1, r]: the draft ids' rows, then the one row
+    shared by every other id (refused when those rows differ)."""
+    outside = torch.ones(w1.shape[0], dtype=torch.bool)
+    outside[ids] = False
+    rest = w1[outside]
+    if rest.shape[0] and not bool((rest == rest[:1]).all()):
+        raise DeepSpecImportError(f"{where}: markov_w1 rows of target ids outside the draft vocabulary differ; "
+                                  "the kit's Markov head has one row for all of them")
+    return torch.cat([w1.index_select(0, ids), rest[:1] if rest.shape[0] else torch.zeros_like(w1[:1])])
 
 
 def import_deepspec(path: str | Path, target):
@@ -97,14 +125,28 @@ def import_deepspec(path: str | Path, target):
         except (SafetensorError, OSError, ValueError) as exc:
             raise DeepSpecImportError(f"{f}: unreadable or truncated safetensors file ({exc})") from None
     ours, frozen = from_deepspec_state(state)
+    if cfg.draft_vocab_size:
+        if "d2t" not in frozen:
+            raise DeepSpecImportError(f"{path}: draft_vocab_size={cfg.draft_vocab_size} but no d2t tensor maps "
+                                      "draft ids to target ids")
+        ids = draft_ids_from_d2t(frozen["d2t"])
+        ours["draft_ids"] = ids
+        if "markov.w1.weight" in ours:
+            if ours["markov.w1.weight"].shape[0] != cfg.vocab_size:
+                raise DeepSpecImportError(f"{path}: markov_w1 has {ours['markov.w1.weight'].shape[0]} rows, expected "
+                                          f"the target vocabulary ({cfg.vocab_size})")
+            ours["markov.w1.weight"] = _markov_w1_to_kit(ours["markov.w1.weight"], ids, str(path))
     model = drafter_for_state(cfg, target, ours, str(path), DeepSpecImportError)
     expected = model.state_dict()
     info = {"source_dtype": str(next(iter(ours.values())).dtype).replace("torch.", "")}
-    for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.lm_head.weight)):
+    try:
+        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
+    except DraftVocabError as exc:
+        raise DeepSpecImportError(f"{path}: d2t does not give a usable draft vocabulary ({exc})") from None
+    for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.draft_head.weight)):
         if name in frozen:
             if tuple(frozen[name].shape) != tuple(mine.shape):
                 raise DeepSpecImportError(f"{path}: {name} has shape {tuple(frozen[name].shape)}, the target's is "
                                           f"{tuple(mine.shape)}: checkpoint for another target")
             info[f"{name.split('.')[0]}_max_abs_diff_vs_target"] = float((frozen[name].float() - mine.detach().float()).abs().max())
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
     return model.eval(), cfg, info

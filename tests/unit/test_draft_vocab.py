@@ -162,16 +162,25 @@ def test_checkpoint_round_trip_keeps_the_draft_ids_and_refuses_corrupt_ones(tmp_
         load_checkpoint(tmp_path / "ck", target)
 
 
-def test_builder_skips_the_reference_layout_by_default_and_refuses_it_when_asked(tmp_path):
+def test_builder_exports_a_draft_vocabulary_in_the_reference_layout_with_d2t(tmp_path):
+    """A draft vocabulary is expressed in the DSpark layout (d2t, draft-sized lm_head); what the
+    layout cannot express (draft layers without q/k norms) is skipped by default, refused when asked."""
+    import dataclasses
+
     target = make_tiny_target()
     d = _drafter(target)
     save_checkpoint(tmp_path / "ck", d, d.cfg, target.identity(), step=1)
     m = builder.build_engine(drafter_dir=tmp_path / "ck", output=tmp_path / "eng", target=target, max_batch=2)
-    assert m["built"]["hf"]["status"] == "skipped" and "draft vocabulary" in m["built"]["hf"]["reason"]
+    assert m["built"]["hf"]["draft_vocab_size"] == 16 and m["built"]["trtllm"]["file"]
     assert m["built"]["onnx"]["file"] and m["shapes"]["draft_vocab_size"] == 16
-    with pytest.raises(builder.BuildError, match="draft vocabulary"):
-        builder.build_engine(drafter_dir=tmp_path / "ck", output=tmp_path / "eng2", target=target, max_batch=2,
+    legacy = build_drafter(dataclasses.replace(d.cfg, layer_style="target"), target)  # Llama target: no q/k norm
+    save_checkpoint(tmp_path / "old", legacy, legacy.cfg, target.identity(), step=1)
+    m = builder.build_engine(drafter_dir=tmp_path / "old", output=tmp_path / "eng2", target=target, max_batch=2)
+    assert m["built"]["hf"]["status"] == "skipped" and "q/k RMSNorm" in m["built"]["hf"]["reason"]
+    with pytest.raises(builder.BuildError, match="q/k RMSNorm"):
+        builder.build_engine(drafter_dir=tmp_path / "old", output=tmp_path / "eng3", target=target, max_batch=2,
                              what="onnx,hf")
+    assert not (tmp_path / "eng3").exists()
 
 
 def test_scatter_puts_each_probability_at_its_target_id():

@@ -164,8 +164,8 @@ def test_eagle3_unroll_of_chosen_entries_equals_the_full_unroll_there(tiny_targe
     part = d.forward_train(aux, tokens, S, positions)  # [S, N, P, d]
     at = full.gather(2, positions.view(1, 2, 4, 1).expand(S, -1, -1, full.shape[-1]))
     torch.testing.assert_close(part, at, atol=1e-5, rtol=1e-5)
-    grad_full = torch.autograd.grad(at.sum(), d.combine.weight)[0]
-    grad_part = torch.autograd.grad(d.forward_train(aux, tokens, S, positions).sum(), d.combine.weight)[0]
+    grad_full = torch.autograd.grad(at.sum(), d.fc.weight)[0]
+    grad_part = torch.autograd.grad(d.forward_train(aux, tokens, S, positions).sum(), d.fc.weight)[0]
     torch.testing.assert_close(grad_part, grad_full, atol=1e-4, rtol=1e-4)
     # a chain of step >= 1 depends on its own tokens: changing a later token moves it
     later = tokens.clone(); later[0, 8] = (later[0, 8] + 1) % 64

@@ -13,7 +13,8 @@ DRAFTERS: dict[str, type[nn.Module]] = {
 }
 
 __all__ = ["BlockDrafter", "BlockOutput", "DrafterConfig", "Eagle3Drafter", "Proposal", "DRAFTERS",
-           "drafter_config_for", "draft_layers_for", "build_drafter"]
+           "drafter_config_for", "draft_layers_for", "layer_style_for",
+           "build_drafter"]
 
 
 def drafter_config_for(run_cfg, target) -> DrafterConfig:
@@ -31,7 +32,14 @@ def drafter_config_for(run_cfg, target) -> DrafterConfig:
         markov_rank=run_cfg.target.markov_rank,
         confidence_head=bool(algo.confidence_head) and algo.algo == "dspark",
         draft_vocab_size=run_cfg.target.draft_vocab if run_cfg.target.draft_vocab < target.vocab_size else 0,
+        layer_style=layer_style_for(run_cfg),
     )
+
+
+def layer_style_for(run_cfg) -> str:
+    """The algorithm profile's layer style when it sets one, else the target profile's."""
+    style = run_cfg.algo.layer_style
+    return run_cfg.target.layer_style if style is None else style
 
 
 def draft_layers_for(run_cfg) -> int:

@@ -7,6 +7,14 @@ while drafting, step ``k`` uses the drafter's own previous output hidden state i
 Training unrolls this ("training-time test") for ``ttt_steps`` steps: query ``(i, k)``
 sees the true entries ``<= i`` and its own chain ``(i, 1..k)``, exactly what it sees at
 inference.
+
+Two layouts, by ``layer_style``:
+
+- ``llama`` / ``qwen3`` (new drafters): the EAGLE-3 layout. ``f_i = fc(aux_i)`` (no norm) and
+  the first layer is an :class:`~.layers.Eagle3Layer` over ``[f_i ; embed(x_{i+1})]``, so the
+  weights are those vLLM's and SGLang's EAGLE-3 models load (engine/export/eagle3_export.py).
+- ``target`` (checkpoints from before the field): ``f_i = RMSNorm(fc(aux_i))`` and an entry is
+  ``combine([f_i ; emb_norm(embed(x_{i+1}))])`` feeding a plain decoder layer; no engine loads it.
 """
 from __future__ import annotations
 
@@ -14,22 +22,30 @@ import torch
 from torch import nn
 
 from ..cpu_linear import project
-from .block_drafter import DrafterConfig, Proposal, pick, to_target_vocab
-from .layers import TargetTiedDrafter
+from .block_drafter import DrafterConfig, Proposal, noise_ids, pick, to_target_vocab
+from .layers import DraftLayer, Eagle3Layer, TargetTiedDrafter
 
 
 class Eagle3Drafter(TargetTiedDrafter):
     def __init__(self, cfg: DrafterConfig, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
-        super().__init__(cfg, hf_config, embed, lm_head)
+        eagle3_layout = getattr(cfg, "layer_style", "target") != "target"
+        super().__init__(cfg, hf_config, embed, lm_head, fuse_norm=not eagle3_layout,
+                         first_layer=Eagle3Layer if eagle3_layout else DraftLayer)
+        self.eagle3_layout = eagle3_layout
         d = cfg.hidden_size
-        self.emb_norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
-        self.combine = nn.Linear(2 * d, d, bias=False)
+        if not self.eagle3_layout:
+            self.emb_norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
+            self.combine = nn.Linear(2 * d, d, bias=False)
         self.markov = None
         self.confidence = None
 
     def entry(self, feature: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """feature [N, T, d] (fused target feature or own hidden), next_tokens [N, T] -> [N, T, d]."""
-        return self.combine(torch.cat([feature, self.emb_norm(self.embed(next_tokens))], dim=-1))
+        """feature [N, T, d] (fused target feature or own hidden), next_tokens [N, T] -> the first
+        layer's input: [N, T, 2d] = [feature ; embedding] (EAGLE-3 layout) or [N, T, d] (legacy)."""
+        emb = self.embed(next_tokens)
+        if self.eagle3_layout:
+            return torch.cat([feature, emb.to(feature.dtype)], dim=-1)
+        return self.combine(torch.cat([feature, self.emb_norm(emb)], dim=-1))
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None,
                    mask: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -37,7 +53,7 @@ class Eagle3Drafter(TargetTiedDrafter):
         cos, sin = self.rope(pos, x.dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
-            new_kv.append(layer.kv(layer.input_layernorm(x), cos, sin))
+            new_kv.append(layer.kv(layer.attn_input(x), cos, sin))
             k, v = past[i] if past is not None else (None, None)
             x = layer(x, cos, sin, k, v, mask)
         return x, new_kv
@@ -82,24 +98,25 @@ class Eagle3Drafter(TargetTiedDrafter):
     @torch.no_grad()
     def propose_from(self, last_hidden: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]],
                      past_valid: torch.Tensor, next_pos: torch.Tensor, temperature: torch.Tensor,
-                     generator: torch.Generator | None = None) -> Proposal:
+                     noise=None) -> Proposal:
         """Draft K tokens autoregressively.
 
         last_hidden [R, d]: pre-norm output of the last true entry (it predicts draft 1);
         past per layer [R, Hkv, T, hd] with past_valid [R, T]; next_pos [R] = position of
-        the first chain entry.
+        the first chain entry; ``noise``: the sampled drafts' race noise (``block_drafter.draw``).
         """
         K = self.cfg.block_size
         R = last_hidden.shape[0]
         V = self.draft_vocab_size
         all_greedy = not bool((temperature > 0).any())
+        ids = noise_ids(self)
         tokens = torch.empty(R, K, dtype=torch.long, device=last_hidden.device)
         probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
         h = last_hidden
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            x, p = pick(project(self.draft_head, self.norm(h)).float(), temperature, generator, all_greedy)
+            x, p = pick(project(self.draft_head, self.norm(h)).float(), temperature, noise, all_greedy, k, ids)
             tokens[:, k] = x
             if probs is not None:
                 probs[:, k] = p

@@ -4,6 +4,15 @@ A ``DraftLayer`` has the target's attention/MLP shapes (heads, kv heads, head di
 intermediate size, norm eps, RoPE of the target config) but its keys/values are the
 concatenation of an *external context* (projected target features) and the layer's own
 queries' hidden states. Masks are boolean, True = may attend.
+
+Layer styles (``DrafterConfig.layer_style``, recorded in ``drafter.json``):
+
+- ``qwen3``: per-head RMSNorm on q and k whatever the target family: the Qwen3 / DeepSpec
+  decoder layer the deployed DSpark loaders (vLLM, TensorRT-LLM) build, so any drafter
+  exports without renaming. The default for new drafters (configs/algos/).
+- ``llama``: no q/k norm: the Llama decoder layer (the EAGLE-3 midlayer SGLang and vLLM load).
+- ``target``: q/k norm exactly when the target family has it. Checkpoints written before the
+  field existed are this style (their drafter.json has no ``layer_style``).
 """
 from __future__ import annotations
 
@@ -12,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+from ..config import LAYER_STYLES
 
 
 @dataclass
@@ -25,8 +37,12 @@ class LayerShape:
     qk_norm: bool  # Qwen3-style per-head RMSNorm on q and k
 
     @classmethod
-    def from_hf_config(cls, cfg) -> "LayerShape":
+    def from_hf_config(cls, cfg, layer_style: str = "target") -> "LayerShape":
+        """The target's shapes; q/k norm from ``layer_style`` (see the module docstring)."""
+        if layer_style not in LAYER_STYLES:
+            raise ValueError(f"layer_style must be one of {', '.join(LAYER_STYLES)}, got {layer_style!r}")
         heads = cfg.num_attention_heads
+        family_qk = getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")
         return cls(
             hidden_size=cfg.hidden_size,
             num_heads=heads,
@@ -34,7 +50,7 @@ class LayerShape:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             intermediate_size=cfg.intermediate_size,
             rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-            qk_norm=getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            qk_norm={"qwen3": True, "llama": False, "target": family_qk}[layer_style],
         )
 
 
@@ -105,6 +121,10 @@ class DraftLayer(nn.Module):
         N, T, _ = x.shape
         return x.view(N, T, n, self.s.head_dim).transpose(1, 2)  # (N, n, T, hd)
 
+    def attn_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the q/k/v projections read from the layer input ``h``: its pre-norm."""
+        return self.input_layernorm(h)
+
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of hidden states x [N, T, d] at RoPE (cos, sin) -> 2 x [N, Hkv, T, hd]."""
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.s.num_kv_heads)), cos, sin)
@@ -113,12 +133,12 @@ class DraftLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [N, Q, d] query-side hidden states
+        h: torch.Tensor,  # [N, Q, d_in] layer input at the query positions
         cos: torch.Tensor, sin: torch.Tensor,  # [N, Q, hd] RoPE at the query positions
         ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None,  # [N, Hkv, T, hd] external context
         mask: torch.Tensor,  # [N, Q, T + Q] bool over [context ; own keys]
     ) -> torch.Tensor:
-        x = self.input_layernorm(h)
+        x = self.attn_input(h)
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.s.num_heads)), cos, sin)
         k, v = self.kv(x, cos, sin)
         if ctx_k is not None:
@@ -130,22 +150,53 @@ class DraftLayer(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
                                               enable_gqa=bool(rep > 1 and not torch.onnx.is_in_onnx_export()))
         N, _, Q, _ = attn.shape
-        h = h + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
+        h = self.residual(h) + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def residual(self, h: torch.Tensor) -> torch.Tensor:
+        """The part of the layer input the attention output is added to (all of it here)."""
+        return h
+
+
+class Eagle3Layer(DraftLayer):
+    """The EAGLE-3 first decoder layer: its input is ``[feature ; token embedding]`` (2d wide).
+
+    The q/k/v projections read ``[input_layernorm(embedding) ; hidden_norm(feature)]`` and the
+    attention output is added to the un-normed feature; the rest is a ``DraftLayer``. This is
+    the ``midlayer`` vLLM's and SGLang's EAGLE-3 models build, so its weights copy over as they are.
+    """
+
+    def __init__(self, s: LayerShape):
+        super().__init__(s)
+        d, hd = s.hidden_size, s.head_dim
+        self.q_proj = nn.Linear(2 * d, s.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * d, s.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(2 * d, s.num_kv_heads * hd, bias=False)
+        self.hidden_norm = nn.RMSNorm(d, eps=s.rms_eps)
+
+    def attn_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, T, 2d] = [feature ; embedding] -> [N, T, 2d] = [norm(embedding) ; norm(feature)]."""
+        feature, emb = h.chunk(2, dim=-1)
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(feature)], dim=-1)
+
+    def residual(self, h: torch.Tensor) -> torch.Tensor:
+        return h[..., : self.s.hidden_size]
 
 
 class TargetTiedDrafter(nn.Module):
-    """Base of every drafter: target-feature fusion (fc + RMSNorm) and the target's frozen
-    embedding and LM head, held outside the module tree so they are never saved or trained."""
+    """Base of every drafter: target-feature fusion (fc, then RMSNorm unless ``fuse_norm`` is
+    False) and the target's frozen embedding and LM head, held outside the module tree so they
+    are never saved or trained. ``first_layer``: the class of draft layer 0."""
 
-    def __init__(self, cfg, hf_config, embed: nn.Embedding, lm_head: nn.Linear):
+    def __init__(self, cfg, hf_config, embed: nn.Embedding, lm_head: nn.Linear, fuse_norm: bool = True,
+                 first_layer: type[DraftLayer] = DraftLayer):
         super().__init__()
         self.cfg = cfg
-        self.shape = LayerShape.from_hf_config(hf_config)
+        self.shape = LayerShape.from_hf_config(hf_config, getattr(cfg, "layer_style", "target"))
         d = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_aux_layers * d, d, bias=False)
-        self.ctx_norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(self.shape) for _ in range(cfg.num_layers))
+        self.ctx_norm = nn.RMSNorm(d, eps=self.shape.rms_eps) if fuse_norm else None
+        self.layers = nn.ModuleList((first_layer if i == 0 else DraftLayer)(self.shape) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(d, eps=self.shape.rms_eps)
         self.rope = Rope(hf_config)
         self._frozen = {"embed": embed, "lm_head": lm_head, "draft_head": lm_head}
@@ -201,7 +252,8 @@ class TargetTiedDrafter(nn.Module):
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features [N, T, m*d] -> fused context [N, T, d]."""
-        return self.ctx_norm(self.fc(aux))
+        h = self.fc(aux)
+        return h if self.ctx_norm is None else self.ctx_norm(h)
 
 
 def copy_target_layers(layers: nn.ModuleList, target_layers: nn.ModuleList) -> list[int]:
@@ -226,7 +278,7 @@ def copy_target_layers(layers: nn.ModuleList, target_layers: nn.ModuleList) -> l
                 (draft.post_attention_layernorm, src.post_attention_layernorm),
                 (draft.mlp.gate_proj, src.mlp.gate_proj), (draft.mlp.up_proj, src.mlp.up_proj),
                 (draft.mlp.down_proj, src.mlp.down_proj)]
-        if draft.s.qk_norm:
+        if draft.s.qk_norm and hasattr(attn, "q_norm"):  # a target without q/k norms leaves them at 1
             mods += [(draft.q_norm, attn.q_norm), (draft.k_norm, attn.k_norm)]
         pairs += [(dst, s, i) for dst, s in mods]
     for dst, s, i in pairs:
