@@ -35,6 +35,9 @@ class DrafterConfig:
     markov_rank: int
     confidence_head: bool
     draft_vocab_size: int = 0  # 0: draft over the target's whole vocabulary (training/draft_vocab.py)
+    # decoder-layer style (layers.py): qwen3 | llama | target. "target" is the style of the
+    # checkpoints written before the field existed, so a drafter.json without it loads as they were
+    layer_style: str = "target"
 
 
 @dataclass
