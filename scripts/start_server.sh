@@ -25,6 +25,12 @@
 #      directory with the stub matching $PYTHON is assembled under the state dir, and the
 #      wheel's bundled libraries (nvidia_pytriton.libs) go on LD_LIBRARY_PATH for it.
 # Writes <state-dir>/server.pid and the log file; scripts/stop_server.sh stops it.
+#
+# Crash recovery: the python backend's shared-memory regions get a prefix of this state dir
+# (<state-dir>/shm_prefix), and before starting, what a crashed server left is reclaimed:
+# orphaned stubs of this model repository (their server is gone) are killed and this
+# prefix's regions that no process maps are unlinked (dspark.engine.serving.stubs). The
+# models themselves exit when their server dies (a watchdog in each model's initialize).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,10 +74,19 @@ STATE_DIR="${STATE_DIR:-/tmp/dspark-triton-$GRPC_PORT}"
 LOG_FILE="${LOG_FILE:-$STATE_DIR/server.log}"
 PID_FILE="$STATE_DIR/server.pid"
 mkdir -p "$STATE_DIR" "$(dirname "$LOG_FILE")"
+STATE_DIR="$(cd "$STATE_DIR" && pwd)"
+# one prefix per state dir, so that reclaiming never touches another server's regions
+SHM_PREFIX="dspark_$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1)_"
+echo "$SHM_PREFIX" > "$STATE_DIR/shm_prefix"
+echo "$REPO" > "$STATE_DIR/model_repository"   # for stop_server.sh's reclaim
 
 if [[ -f "$PID_FILE" ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; then
   echo "start_server.sh: a server is already running (pid $(cat "$PID_FILE"), $PID_FILE); scripts/stop_server.sh --state-dir $STATE_DIR" >&2
   exit 1
+fi
+if [[ -f "$PID_FILE" ]]; then
+  echo "start_server.sh: the server of $PID_FILE (pid $(cat "$PID_FILE")) is gone; reclaiming what it left"
+  rm -f "$PID_FILE"
 fi
 
 # --- Python for the python backend models -------------------------------------------
@@ -100,6 +115,8 @@ if ! "$PYTHON" -c "import dspark.engine.serving" 2>/dev/null; then
   echo "start_server.sh: $PYTHON cannot import dspark.engine.serving: $PYTHON -m pip install -e '$ROOT[serve]'" >&2
   exit 1
 fi
+
+echo "start_server.sh: reclaim: $("$PYTHON" -m dspark.engine.serving.stubs reclaim --repo "$REPO" --shm-prefix "$SHM_PREFIX")"
 
 # --- which tritonserver ----------------------------------------------------------------
 BACKEND_DIR=""
@@ -138,7 +155,8 @@ if [[ -z "${TRITONSERVER:-}" ]]; then
 fi
 
 ARGS=(--model-repository "$REPO" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT"
-      --metrics-port "$METRICS_PORT" --allow-metrics true --log-info true)
+      --metrics-port "$METRICS_PORT" --allow-metrics true --log-info true
+      --backend-config "python,shm-region-prefix-name=$SHM_PREFIX")
 [[ -n "$BACKEND_DIR" ]] && ARGS+=(--backend-directory "$BACKEND_DIR")
 if [[ ${#MODELS[@]} -gt 0 ]]; then
   ARGS+=(--model-control-mode explicit)

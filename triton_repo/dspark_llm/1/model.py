@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from dspark.engine.serving import llm as service
 from dspark.engine.serving.factory import config_parameters, parameter, resolve
 from dspark.engine.serving.metrics import ServingMetrics
+from dspark.engine.serving.stubs import watch_server
 
 DEFAULT_ENGINE_FACTORY = "dspark.engine.runtime:load_engine"
 
@@ -60,6 +61,7 @@ class _Channel:
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_server()  # end this stub with its server, even after a kill -9 of the server
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("dspark_llm needs model_transaction_policy { decoupled: true }")

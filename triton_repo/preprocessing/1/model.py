@@ -8,12 +8,14 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.stubs import watch_server
 from dspark.engine.serving.tensors import answer_requests
 from dspark.engine.serving.text import Preprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_server()  # end this stub with its server, even after a kill -9 of the server
         config = json.loads(args["model_config"])
         params = config_parameters(config)
         self.input_names = [i["name"] for i in config["input"]]
