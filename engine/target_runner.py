@@ -7,10 +7,12 @@ kept (``set_length``): trimming rejected drafts costs nothing, their entries are
 overwritten later.
 
 A ragged step runs its tokens *packed*: the projections, MLPs and LM head see only the
-real tokens (sum of the rows' lengths), and only attention lays them out as [rows, longest
-row]. Padding every row to the longest would make one request verifying 7 drafts cost a
-16-request batch 7 times the tokens, which is not the cost the prefix scheduler is told
-(SPS of the batch's token count). Fixed-shape steps (``forward_static``, CUDA graphs)
+real tokens (sum of the rows' lengths). Padding every row to the longest would make one
+request verifying 7 drafts cost a 16-request batch 7 times the tokens, which is not the cost
+the prefix scheduler is told (SPS of the batch's token count). On the CPU attention is packed
+too (``cpu_attention.py``: each token reads its own row's keys up to its position, no mask,
+no padded context); elsewhere, or with ``attention="sdpa"``, attention lays the tokens out
+as [rows, longest row] under a mask. Fixed-shape steps (``forward_static``, CUDA graphs)
 compute their whole grid.
 
 Supported target architectures: the Llama family as implemented by transformers
@@ -27,7 +29,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from dspark.training.cpu_linear import project
 
+from . import cpu_attention
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_MODES = ("auto", "varlen", "sdpa")
 
 
 @dataclass
@@ -38,7 +43,13 @@ class RaggedOutput:
 
 
 class TargetRunner:
-    def __init__(self, target, max_slots: int, initial_capacity: int = 256, max_context: int = 2048):
+    def __init__(self, target, max_slots: int, initial_capacity: int = 256, max_context: int = 2048,
+                 attention: str = "auto"):
+        """``attention``: ``varlen`` (the packed CPU kernel of ``cpu_attention.py``), ``sdpa``
+        (a padded grid under a mask), or ``auto``: varlen for a float32 target on the CPU
+        where the kernel builds, else sdpa."""
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         model_type = getattr(target.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -62,6 +73,11 @@ class TargetRunner:
         self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
+        fits = self.device.type == "cpu" and self.dtype == torch.float32
+        if attention == "varlen" and not (fits and cpu_attention.available()):
+            raise ValueError("attention='varlen' needs a float32 target on the CPU and a C++ toolchain "
+                             "(engine/cpu_attention.py)")
+        self.varlen = attention == "varlen" or (attention == "auto" and fits and cpu_attention.available())
 
     # -- slot management ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:
@@ -111,8 +127,7 @@ class TargetRunner:
         pos = start.unsqueeze(1) + torch.arange(Q).unsqueeze(0)  # [R, Q]
         q_valid = torch.arange(Q).unsqueeze(0) < q_lens.unsqueeze(1)
         # key t visible to query (r, i) iff t <= start_r + i (causal; older entries are the cache)
-        key_pos = torch.arange(total)
-        mask = (key_pos.view(1, 1, total) <= pos.unsqueeze(-1)).to(self.device)  # [R, Q, total]
+        mask = None if self.varlen else (torch.arange(total).view(1, 1, total) <= pos.unsqueeze(-1)).to(self.device)
         rows = slot_t.unsqueeze(1).expand(R, Q)[q_valid]
         gather = None if slots == list(range(R)) else slot_t.to(self.device)
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=self.device)  # packed [N]
@@ -126,15 +141,18 @@ class TargetRunner:
             logits = grid.unpack(self.target.logits_from_last(last))
         return RaggedOutput(logits=logits, aux=grid.unpack(aux), last=grid.unpack(last))
 
-    def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None):
+    def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None, apos=None):
         """Embedding -> decoder layers (writing the cache) -> final norm, on packed tokens
-        ``ids [N]`` at positions ``pos [N]``; -> (last [N, d], aux [N, m*d])."""
+        ``ids [N]`` at positions ``pos [N]`` (cache slots ``rows``, written at ``wpos``);
+        ``mask`` None: varlen attention of each token over its slot's keys up to ``apos``
+        (default ``wpos``), at most ``total``; -> (last [N, d], aux [N, m*d])."""
+        apos = wpos if apos is None else apos
         dec = self.target.decoder
         h = dec.embed_tokens(ids)
         cos, sin = (t[0] for t in dec.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0)))
         captured = {}
         for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather)
+            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather, apos)
             if need_features and li in self.layer_ids:
                 captured[li] = h
         last = dec.norm(h)
@@ -161,15 +179,17 @@ class TargetRunner:
         pos = start.unsqueeze(1) + torch.arange(Q, device=ids.device).unsqueeze(0)  # [Rb, Q]
         wpos = pos.clamp(max=self.capacity - 1)
         rows = (torch.arange(Rb, device=ids.device) if slots is None else slots).unsqueeze(1).expand(Rb, Q)
-        mask = torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)  # [Rb, Q, C]
+        mask = None if self.varlen else torch.arange(C, device=ids.device).view(1, 1, C) <= pos.unsqueeze(-1)
         grid = _Grid(Rb, Q, None)  # the whole grid: shapes must not depend on the data
+        # varlen attention reads keys up to each query's position, at most the first C
         last, aux = self._stack(ids.reshape(-1), pos.reshape(-1), mask, rows.reshape(-1), wpos.reshape(-1), grid, C,
-                                need_features=True, gather=slots)
+                                need_features=True, gather=slots, apos=pos.reshape(-1))
         return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
                             last=grid.unpack(last))
 
-    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather=None):
-        """One decoder layer on packed tokens ``h [N, d]``; attention on the [R, Q] grid."""
+    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather=None, apos=None):
+        """One decoder layer on packed tokens ``h [N, d]``; attention packed (``mask`` None)
+        or on the [R, Q] grid."""
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         N = x.shape[0]
@@ -183,14 +203,18 @@ class TargetRunner:
         kc, vc = self.k[li], self.v[li]
         kc[rows, :, wpos] = k
         vc[rows, :, wpos] = v
-        R = grid.rows
-        if gather is None:  # slots 0..R-1: views of the cache
-            keys, vals = kc[:R, :, :total], vc[:R, :, :total]
+        if mask is None:
+            o = cpu_attention.varlen_attention(q, kc, vc, rows, apos, attn.scaling, total).reshape(N, -1)
         else:
-            keys, vals = kc[gather, :, :total], vc[gather, :, :total]
-        o = F.scaled_dot_product_attention(grid.unpack(q).transpose(1, 2), keys, vals, attn_mask=mask.unsqueeze(1),
-                                           scale=attn.scaling, enable_gqa=self.n_heads != self.n_kv)
-        h = h + project(attn.o_proj, grid.pack(o.transpose(1, 2)).reshape(N, -1))
+            R = grid.rows
+            if gather is None:  # slots 0..R-1: views of the cache
+                keys, vals = kc[:R, :, :total], vc[:R, :, :total]
+            else:
+                keys, vals = kc[gather, :, :total], vc[gather, :, :total]
+            o = F.scaled_dot_product_attention(grid.unpack(q).transpose(1, 2), keys, vals, attn_mask=mask.unsqueeze(1),
+                                               scale=attn.scaling, enable_gqa=self.n_heads != self.n_kv)
+            o = grid.pack(o.transpose(1, 2)).reshape(N, -1)
+        h = h + project(attn.o_proj, o)
         x = layer.post_attention_layernorm(h)
         return h + (_gated_mlp(layer.mlp, x) if self.gated_mlp else layer.mlp(x))
 

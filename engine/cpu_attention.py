@@ -1,0 +1,185 @@
+"""Attention over each query's true context, straight from the slot KV cache, on the CPU.
+
+The ragged forward used to lay every step out as a [rows, longest row] grid and run
+``scaled_dot_product_attention`` over the longest row's context under a boolean mask: a
+batch with one long request paid the long context for every row, and building and
+converting the [rows, queries, context] mask cost as much again at 64 rows. Here each
+packed query token ``n`` (cache slot ``slot[n]``, absolute position ``pos[n]``) attends
+exactly the keys ``0..pos[n]`` of its own slot (causal inside a verify block falls out of
+the positions), in one C++ loop parallel over (token, KV head) on torch's intra-op
+threads. There is no mask tensor and no padding; what a step costs is the keys its
+tokens really read.
+
+The kernel is built once per machine with ``torch.utils.cpp_extension.load_inline``
+(``-O3 -march=native``; cached under torch's extensions directory, keyed by the CPU's
+flags) and registered as ``torch.ops.dspark.varlen_attention``, with a fake kernel, so
+``torch.compile`` keeps it inside a compiled graph. ``available()`` says whether it could
+be built; the engine then uses ``scaled_dot_product_attention`` and says so in its log.
+``reference()`` is the same computation in PyTorch, one token at a time, for tests.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "varlen_attention", "reference"]
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#include <algorithm>
+
+// q [N, Hq, D]; k, v [S, Hkv, C, D] (the cache of one layer); slot, pos [N] int64.
+// Token n attends keys 0..min(pos[n], limit - 1) of cache slot slot[n].
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& slot, const at::Tensor& pos, double scale, int64_t limit) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "varlen_attention: q [N,Hq,D], k/v [S,Hkv,C,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "varlen_attention: float32 tensors");
+  TORCH_CHECK(k.sizes() == v.sizes(), "varlen_attention: k and v differ in shape");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == k.size(3) && v.stride(2) == v.size(3),
+              "varlen_attention: each cache row must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor sl = slot.to(at::kLong).contiguous(), ps = pos.to(at::kLong).contiguous();
+  const int64_t N = qc.size(0), Hq = qc.size(1), D = qc.size(2), Hkv = k.size(1), C = k.size(2);
+  TORCH_CHECK(k.size(3) == D && Hq % Hkv == 0 && sl.numel() == N && ps.numel() == N,
+              "varlen_attention: shapes disagree");
+  const int64_t G = Hq / Hkv;
+  const int64_t lim = std::min<int64_t>(limit > 0 ? limit : C, C);
+  at::Tensor out = at::empty({N, Hq, D}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score;
+    std::vector<float> acc(G * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / Hkv, h = i % Hkv;
+      const int64_t s = sp[n];
+      const int64_t T = std::min<int64_t>(pp[n] + 1, lim);
+      TORCH_CHECK(s >= 0 && s < k.size(0) && T >= 1, "varlen_attention: slot or position out of range");
+      const float* K = kp + s * ks0 + h * ks1;
+      const float* V = vp + s * vs0 + h * vs1;
+      const float* Q = qp + (n * Hq + h * G) * D;
+      score.resize(G * T);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* kr = K + t * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = Q + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          score[g * T + t] = dot * sc;
+        }
+      }
+      std::vector<float> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* row = score.data() + g * T;
+        float m = row[0];
+        for (int64_t t = 1; t < T; ++t) m = std::max(m, row[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < T; ++t) { row[t] = std::exp(row[t] - m); sum += row[t]; }
+        inv[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* vr = V + t * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = score[g * T + t];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (n * Hq + h * G + g) * D;
+        const float* a = acc.data() + g * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv[g];
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(dspark, m) {
+  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor pos, float scale, int limit) -> Tensor");
+  m.impl("varlen_attention", c10::DispatchKey::CPU, &varlen_attention);
+}
+"""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    """Short hash of the CPU's feature flags: a ``-march=native`` build belongs to one kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+def available() -> bool:
+    """Build (once per process; the build itself is cached on disk) and register the kernel;
+    False, with the reason logged, where no C++ toolchain can build it."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                from torch.utils.cpp_extension import load_inline
+                load_inline(name=f"dspark_varlen_attention_{_cpu_tag()}", cpp_sources=_SOURCE, functions=None,
+                            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
+                            verbose=False)
+                _register_fake()
+                _state["ok"] = True
+            except Exception as exc:  # no compiler, no headers: the engine falls back and says so
+                log.warning("varlen CPU attention unavailable (%s): attention runs on a padded grid", exc)
+                _state["ok"] = False
+        return bool(_state["ok"])
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("dspark::varlen_attention")
+    def _(q, k, v, slot, pos, scale, limit):
+        return q.new_empty(q.shape)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
+                     scale: float, limit: int = 0) -> torch.Tensor:
+    """Attention of packed queries ``q [N, Hq, D]`` over their own cache rows -> ``[N, Hq, D]``.
+
+    ``k, v [S, Hkv, C, D]`` are one layer's cache (each (slot, head) a contiguous [C, D]
+    block), ``slot [N]`` each token's cache slot and ``pos [N]`` its absolute position: token
+    ``n`` attends keys ``0..pos[n]`` (at most the first ``limit`` > 0), its own K/V included,
+    so they must be written first. Grouped-query heads: q head ``j`` reads KV head ``j // (Hq / Hkv)``."""
+    return torch.ops.dspark.varlen_attention(q, k, v, slot, pos, float(scale), int(limit))
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
+              scale: float, limit: int = 0) -> torch.Tensor:
+    """``varlen_attention`` in PyTorch, one token at a time (tests)."""
+    N, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty_like(q)
+    for n in range(N):
+        T = int(pos[n]) + 1
+        if limit > 0:
+            T = min(T, limit)
+        keys = k[int(slot[n]), :, :T].repeat_interleave(G, dim=0)  # [Hq, T, D]
+        vals = v[int(slot[n]), :, :T].repeat_interleave(G, dim=0)
+        w = torch.softmax((keys @ q[n].unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [Hq, T]
+        out[n] = (w.unsqueeze(1) @ vals).squeeze(1)
+    return out

@@ -1,0 +1,64 @@
+"""The packed CPU attention reads exactly each token's own context, and the engine's forward
+is the same with it as on the padded, masked grid."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine import cpu_attention
+from dspark.engine.target_runner import TargetRunner
+
+from ..conftest import make_tiny_target
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ toolchain to build the kernel")
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 8), (6, 1, 24)])
+def test_varlen_attention_matches_the_per_token_reference(heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(0)
+    S, C = 5, 37
+    k, v = torch.randn(S, kv_heads, C, dim, generator=g), torch.randn(S, kv_heads, C, dim, generator=g)
+    q = torch.randn(11, heads, dim, generator=g)
+    slot = torch.tensor([0, 0, 0, 3, 4, 2, 2, 2, 1, 1, 4])
+    pos = torch.tensor([5, 6, 7, 0, 36, 10, 11, 12, 1, 2, 20])  # a causal block, a lone first token, the last key
+    for limit in (0, 9):  # 0: the whole cache; 9: keys past the first 9 are never read
+        out = cpu_attention.varlen_attention(q, k, v, slot, pos, dim ** -0.5, limit)
+        ref = cpu_attention.reference(q, k, v, slot, pos, dim ** -0.5, limit)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_attention_ignores_keys_past_each_tokens_position():
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 1, 16, 8, generator=g), torch.randn(2, 1, 16, 8, generator=g)
+    q = torch.randn(2, 1, 8, generator=g)
+    slot, pos = torch.tensor([0, 1]), torch.tensor([3, 9])
+    before = cpu_attention.varlen_attention(q, k, v, slot, pos, 0.3)
+    k[0, :, 4:], v[0, :, 4:], k[1, :, 10:] = 1e4, -1e4, 1e4  # garbage where no query may look
+    torch.testing.assert_close(cpu_attention.varlen_attention(q, k, v, slot, pos, 0.3), before)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_ragged_forward_is_the_same_with_varlen_and_padded_attention(model_type):
+    target = make_tiny_target(model_type)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    steps = [[7, 8, 9], [10], [11, 12, 13, 14]]
+    outs = []
+    for attention in ("varlen", "sdpa"):
+        r = TargetRunner(target, max_slots=4, max_context=64, attention=attention)
+        assert r.varlen == (attention == "varlen")
+        pre = r.forward([0, 2, 3], prompts, last_logits_only=True)  # slots not 0..R-1: the gathered path
+        for s, p in zip((0, 2, 3), prompts):
+            r.set_length(s, len(p))
+        outs.append((pre, r.forward([0, 2, 3], steps)))
+    (pv, sv), (pp, sp) = outs
+    torch.testing.assert_close(pv.logits, pp.logits, rtol=1e-5, atol=1e-5)
+    for i, t in enumerate(steps):
+        torch.testing.assert_close(sv.logits[i, :len(t)], sp.logits[i, :len(t)], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sv.aux[i, :len(t)], sp.aux[i, :len(t)], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_mode_is_checked():
+    target = make_tiny_target()
+    with pytest.raises(ValueError, match="attention must be one of"):
+        TargetRunner(target, max_slots=2, attention="flash")
