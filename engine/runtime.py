@@ -37,6 +37,7 @@ from .scheduler import make_scheduler
 from .sps import SpsTable
 from .static_target import with_static_steps
 from .target_runner import TargetRunner
+from . import threads
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class EngineConfig:
     prefill_tokens: int = 1024
     seed: int = 0
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
+    attention: str = "auto"  # auto (varlen kernel for fp32 on CPU) | varlen | sdpa: engine/target_runner.py
+    threads: int = 0  # intra-op threads (0: torch's default, one per usable core): engine/threads.py
     adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
     record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
 
@@ -114,7 +117,10 @@ class SpecEngine:
             raise ValueError("speculative mode needs a drafter checkpoint (build one with scripts/build_engine.sh)")
         self.target = target
         self.max_context = self.cfg.max_context
-        self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context)
+        self.threads = threads.configure(self.cfg.threads)
+        self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context,
+                                   attention=self.cfg.attention)
+        log.info("engine: %s, attention %s", threads.describe(), "varlen" if self.runner.varlen else "sdpa")
         self.drafter = drafter if self.cfg.mode == "spec" else None
         self.draft_runner = make_draft_runner(drafter, self.cfg.max_batch) if self.drafter is not None else None
         self.K = drafter.cfg.block_size if self.drafter is not None else 0
