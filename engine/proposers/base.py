@@ -1,0 +1,154 @@
+"""The proposer interface: what the engine asks of every drafting method.
+
+A proposer keeps per-slot state about the requests the engine runs. Slots are the
+engine's batch rows (0..R-1 are active; the engine compacts them when requests leave, so a
+proposer must follow ``move``). The engine drives it through one cycle per request:
+
+- ``reset(slot, prompt)``: a request enters ``slot``; its committed sequence is ``prompt``.
+- ``commit(slot, tokens, features)``: ``tokens`` were appended to the slot's committed
+  sequence (the first token after prefill, then each verify round's accepted drafts and
+  recovered/bonus token); ``features`` are the target's features (``[n, F]``) of the n
+  positions the target just ran for this slot, in order (a prefill chunk; a round's
+  anchor and accepted drafts), or None. A proposer whose ``needs_features`` is False
+  never gets features. Feature row ``i`` belongs to sequence position ``i``; the token
+  that follows it may arrive in a later ``commit`` (the prompt's last position waits for
+  the first sampled token).
+- ``propose(slots, temperature, generator)``: up to ``max_drafts`` drafts per slot that
+  continue its committed sequence, as a ``DraftBatch``.
+- ``settle(slots)``: the end of an engine phase, after its tokens went out: deferred work
+  that must not delay them (the neural proposer bounds its context backlog here).
+- ``release(slot)``: the request left (finished, stopped or cancelled); before any ``move``.
+- ``move(src, dst)``: the request in ``src`` now lives in ``dst`` (``dst`` is free).
+- ``cost()``: seconds of proposer work per drafted step, for the drafting gate and the
+  scheduler (``ProposerCost``).
+
+Lossless by construction: a proposal is a function of the committed sequence (and, for a
+sampling drafter, of its own random draws), and ``DraftBatch.probs`` is the distribution
+each draft was drawn from; ``None`` means a point mass at the drafted token (a
+deterministic proposer, or a greedy draw), which ``plugins.reference.verify`` takes as a
+one-hot ``p_d``: it accepts draft x with probability ``min(1, p_t(x) / 1) = p_t(x)`` and on
+rejection samples ``norm(max(p_t - onehot(x), 0))``, i.e. ``p_t`` with x removed, so the
+emitted token follows ``p_t`` exactly.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["DraftBatch", "ProposerCost", "Proposer"]
+
+
+@dataclass
+class DraftBatch:
+    """Drafts for a set of slots (row r of every tensor is ``slots[r]``)."""
+
+    tokens: torch.Tensor  # [R, K] int64 drafts; entries at or past lens[r] are 0 and never verified
+    lens: torch.Tensor  # [R] int64 in 0..K: drafts this proposer has for the row (the verify cap)
+    confidence: torch.Tensor  # [R, K] float32, calibrated P(draft j accepted | drafts < j accepted); 0 past lens
+    probs: torch.Tensor | None = None  # [R, K, V] distributions the drafts were drawn from; None: point mass
+    conf_logits: torch.Tensor | None = None  # [R, K] raw confidence logits (what STS is fitted on), or None
+    source: str = ""  # the proposer's name (stats by proposer)
+
+    def __post_init__(self) -> None:
+        R, K = self.tokens.shape
+        if self.lens.shape != (R,) or self.confidence.shape != (R, K):
+            raise ValueError(f"DraftBatch: tokens [R, K] = {tuple(self.tokens.shape)} needs lens [R] and "
+                             f"confidence [R, K], got {tuple(self.lens.shape)} and {tuple(self.confidence.shape)}")
+        if self.probs is not None and self.probs.shape[:2] != (R, K):
+            raise ValueError(f"DraftBatch: probs must be [R, K, V] = [{R}, {K}, V], got {tuple(self.probs.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        """K: drafts per row, the widest row's cap."""
+        return self.tokens.shape[1]
+
+    @property
+    def point_mass(self) -> bool:
+        return self.probs is None
+
+    def verify_probs(self, vocab: int, length: int | None = None) -> torch.Tensor:
+        """Draft distributions ``[R, length, vocab]`` for ``verify``: ``probs`` or a one-hot at the drafts."""
+        L = self.width if length is None else length
+        if self.probs is not None:
+            return self.probs[:, :L].float()
+        return torch.nn.functional.one_hot(self.tokens[:, :L].clamp(0, vocab - 1), vocab).float()
+
+    def expected_accepts(self) -> torch.Tensor:
+        """[R] expected accepted drafts if every available draft is verified: sum_j prod_{i<=j} c_i."""
+        keep = torch.arange(self.width).unsqueeze(0) < self.lens.cpu().unsqueeze(1)
+        return (torch.cumprod(self.confidence.cpu().double(), dim=1) * keep).sum(1)
+
+    @classmethod
+    def empty(cls, rows: int, width: int = 0, source: str = "") -> "DraftBatch":
+        """No drafts for ``rows`` rows (every verify length 0)."""
+        return cls(tokens=torch.zeros(rows, width, dtype=torch.long), lens=torch.zeros(rows, dtype=torch.long),
+                   confidence=torch.zeros(rows, width), source=source)
+
+
+@dataclass(frozen=True)
+class ProposerCost:
+    """Seconds of proposer work on a drafted step with ``rows`` drafting rows.
+
+    ``table`` (an ``SpsTable`` with a profiled drafter pass) gives ``table.draft_time(rows)``;
+    without one the cost is ``fixed_s + per_row_s * rows``. ``on_device`` says whether the
+    work occupies the accelerator that runs the target (a neural drafter) or only the host
+    (a suffix lookup), which a scheduler overlapping host work with the target step needs.
+    ``known`` is False for a drafter whose cost was never profiled (the gate stays off).
+    """
+
+    fixed_s: float = 0.0
+    per_row_s: float = 0.0
+    table: object | None = None  # dspark.engine.sps.SpsTable with draft_requests/draft_seconds
+    on_device: bool = False
+    known: bool = True
+
+    def seconds(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        if self.table is not None:
+            return float(self.table.draft_time(rows))
+        if not self.known:
+            raise ValueError("this proposer's cost was never profiled (dspark profile --checkpoint ...)")
+        return self.fixed_s + self.per_row_s * rows
+
+
+class Proposer(ABC):
+    """One drafting method, driven by the engine (see the module docstring for the cycle)."""
+
+    name: str = "proposer"
+    max_drafts: int = 0  # K: most drafts per slot per round
+    needs_features: bool = False  # the engine passes target features to ``commit`` only if True
+
+    @abstractmethod
+    def reset(self, slot: int, prompt: Sequence[int]) -> None:
+        """A request enters ``slot`` with committed sequence ``prompt`` (any earlier state is dropped)."""
+
+    @abstractmethod
+    def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
+        """``tokens`` appended to the slot's committed sequence; ``features`` [n, F] of the positions just run."""
+
+    @abstractmethod
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor,
+                generator: torch.Generator | None = None) -> DraftBatch:
+        """Drafts continuing each slot's committed sequence; ``temperature`` [R] (0 = greedy)."""
+
+    @abstractmethod
+    def move(self, src: int, dst: int) -> None:
+        """The request in ``src`` moves to the free slot ``dst``."""
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` left; default: nothing to keep."""
+
+    def settle(self, slots: Sequence[int]) -> None:
+        """End of an engine phase for ``slots`` (their tokens went out); default: nothing deferred."""
+
+    @abstractmethod
+    def cost(self) -> ProposerCost:
+        """Seconds of work per drafted step (for the drafting gate and the scheduler)."""

@@ -1,0 +1,214 @@
+"""The suffix proposer: drafts copied from text already seen, no training.
+
+Every slot has its own ``SuffixIndex`` (``suffix_index.py``) over its request's prompt and
+output so far; with ``scope="shared"`` there is also one shared index over the outputs of
+recent requests (a ring: the last ``shared_max_outputs`` outputs, at most
+``shared_max_tokens`` tokens; the oldest output is removed, its counts decremented, when a
+new one would pass either bound). A finished request's output enters the shared index when
+the engine releases its slot.
+
+To propose for a slot, each index is matched against the slot's committed sequence: the
+longest suffix of it (at least ``min_match`` tokens) that the index has seen followed by
+something; the draft is then the most frequent continuation, token by token (backing off
+to a shorter context where a path ends), up to ``max_drafts`` tokens. In the slot's own
+index the match is where its last insertion ended (no search); in the shared index a
+per-slot cursor advances with every committed token (amortised O(1)) and re-syncs from the
+last ``max_depth`` tokens when the shared index changed (an output added or evicted).
+
+Confidence of draft j: its empirical continuation probability ``n_c / n`` (``n_c`` times
+the chosen token followed the context, ``n`` times anything did), smoothed by half a count
+on each side so that a continuation seen once is not a certainty: the raw logit is
+``log((n_c + 1/2) / (n - n_c + 1/2))``, and the calibrated confidence ``sigmoid(z / T_j)``
+with per-position STS temperatures ``T_j`` (``engine/sts.py``: ``fit_sts`` on replayed
+rounds; ``scripts/replay_suffix.py`` fits them). Of the two candidates (own, shared) the
+one with more expected accepted drafts (sum of cumulative confidences) is proposed.
+
+Drafts are point masses (``DraftBatch.probs`` is None): the proposal is a deterministic
+function of the committed tokens, so verification with a one-hot draft distribution is
+exact at any temperature (``base.py``).
+
+Scopes, for multi-tenant servers: ``"shared"`` lets a request draft from other requests'
+outputs (the output is still exactly the target's, but how fast it comes depends on what
+other requests generated); ``"request"`` keeps every request to its own prompt and output.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .base import DraftBatch, Proposer, ProposerCost
+from .suffix_index import ROOT, SuffixIndex
+
+__all__ = ["SuffixConfig", "SuffixProposer", "continuation_logit", "SCOPES"]
+
+SCOPES = ("shared", "request")
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_drafts: int = 7  # K: most drafts per round
+    max_depth: int = 24  # D: longest context an index matches (tokens); memory is at most D nodes per token
+    min_match: int = 2  # shortest matched context that may draft
+    scope: str = "shared"  # shared | request (module docstring)
+    shared_max_outputs: int = 256  # the shared ring keeps at most this many outputs ...
+    shared_max_tokens: int = 65536  # ... and at most this many tokens
+    # host seconds per drafting row, for the drafting gate; scripts/replay_suffix.py measures it
+    host_seconds_per_row: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"suffix scope must be one of {SCOPES}, got {self.scope!r}")
+        if self.max_drafts < 1:
+            raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
+        if self.max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {self.max_depth}")
+        if not 1 <= self.min_match < self.max_depth:
+            raise ValueError(f"min_match must lie in [1, max_depth), got {self.min_match}")
+        if self.shared_max_outputs < 1 or self.shared_max_tokens < 1:
+            raise ValueError("shared_max_outputs and shared_max_tokens must be >= 1")
+        if self.host_seconds_per_row < 0:
+            raise ValueError(f"host_seconds_per_row must be >= 0, got {self.host_seconds_per_row}")
+
+
+def continuation_logit(chosen: int, total: int) -> float:
+    """Raw confidence logit of a continuation seen ``chosen`` of ``total`` times (half-count smoothing)."""
+    return math.log((chosen + 0.5) / (total - chosen + 0.5))
+
+
+@dataclass
+class _Slot:
+    own: SuffixIndex
+    own_seq: int
+    tokens: list[int]  # prompt + committed output
+    prompt_len: int
+    shared_node: int = ROOT  # cursor: longest suffix of ``tokens`` in the shared index
+    shared_version: int = -1  # the shared index's version the cursor is valid for
+
+
+@dataclass
+class _Candidate:
+    tokens: list[int] = field(default_factory=list)
+    logits: list[float] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+    @property
+    def expected_accepts(self) -> float:
+        total, run = 0.0, 1.0
+        for c in self.confidence:
+            run *= c
+            total += run
+        return total
+
+
+class SuffixProposer(Proposer):
+    """Suffix-match drafting over the request's own text and a shared ring of recent outputs."""
+
+    name = "suffix"
+    needs_features = False
+
+    def __init__(self, config: SuffixConfig | None = None, sts_temperatures: Sequence[float] | None = None) -> None:
+        self.cfg = config or SuffixConfig()
+        self.max_drafts = self.cfg.max_drafts
+        self.temps: list[float] | None = None
+        if sts_temperatures is not None:
+            temps = [float(t) for t in sts_temperatures]
+            if len(temps) < self.max_drafts or not all(math.isfinite(t) and t > 0 for t in temps):
+                raise ValueError(f"need {self.max_drafts} finite STS temperatures > 0, got {temps}")
+            self.temps = temps[: self.max_drafts]
+        self.shared = SuffixIndex(self.cfg.max_depth) if self.cfg.scope == "shared" else None
+        self._ring: deque[int] = deque()  # shared sequence ids, oldest first
+        self._slots: dict[int, _Slot] = {}
+
+    # -- the slot cycle --------------------------------------------------------------------------
+    def reset(self, slot: int, prompt: Sequence[int]) -> None:
+        own = SuffixIndex(self.cfg.max_depth)
+        tokens = [int(t) for t in prompt]
+        self._slots[slot] = _Slot(own=own, own_seq=own.add_sequence(tokens), tokens=tokens, prompt_len=len(tokens))
+
+    def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
+        st = self._slots[slot]
+        new = [int(t) for t in tokens]
+        st.own.extend(st.own_seq, new)
+        st.tokens.extend(new)
+        if self.shared is not None and st.shared_version == self.shared.version:
+            node = st.shared_node
+            for t in new:
+                node = self.shared.advance(node, t)
+            st.shared_node = node
+
+    def release(self, slot: int) -> None:
+        st = self._slots.pop(slot, None)
+        if st is not None and self.shared is not None and len(st.tokens) > st.prompt_len:
+            self.add_shared(st.tokens[st.prompt_len:])
+
+    def move(self, src: int, dst: int) -> None:
+        self._slots[dst] = self._slots.pop(src)
+
+    def cost(self) -> ProposerCost:
+        return ProposerCost(per_row_s=self.cfg.host_seconds_per_row, on_device=False)
+
+    # -- the shared ring -----------------------------------------------------------------------------
+    def add_shared(self, tokens: Sequence[int]) -> None:
+        """Index one output in the shared ring, evicting the oldest past the bounds."""
+        if self.shared is None:
+            raise ValueError("this suffix proposer has request scope: there is no shared index")
+        tokens = [int(t) for t in tokens][-self.cfg.shared_max_tokens:]
+        while self._ring and (len(self._ring) >= self.cfg.shared_max_outputs
+                              or self.shared.num_tokens + len(tokens) > self.cfg.shared_max_tokens):
+            self.shared.remove(self._ring.popleft())
+        self._ring.append(self.shared.add_sequence(tokens))
+
+    @property
+    def shared_outputs(self) -> int:
+        return len(self._ring)
+
+    # -- drafting ------------------------------------------------------------------------------------
+    def _candidate(self, index: SuffixIndex, node: int, k: int) -> _Candidate:
+        toks, counts, totals = index.draft(node, k, self.cfg.min_match)
+        cand = _Candidate(tokens=toks)
+        for j, (n_c, n) in enumerate(zip(counts, totals)):
+            z = continuation_logit(n_c, n)
+            t = 1.0 if self.temps is None else self.temps[j]
+            cand.logits.append(z)
+            cand.confidence.append(1.0 / (1.0 + math.exp(-z / t)))
+        return cand
+
+    def _shared_cursor(self, st: _Slot) -> int:
+        if st.shared_version != self.shared.version:  # the index changed: a longer match, or a reused node id
+            st.shared_node = self.shared.match(st.tokens)
+            st.shared_version = self.shared.version
+        return st.shared_node
+
+    def propose_one(self, slot: int, k: int | None = None) -> _Candidate:
+        """The better of the own-text and shared-index candidates for one slot (up to ``k`` drafts)."""
+        k = self.max_drafts if k is None else min(k, self.max_drafts)
+        st = self._slots[slot]
+        best = self._candidate(st.own, st.own.last_node(st.own_seq), k)
+        if self.shared is not None and self.shared.num_tokens:
+            other = self._candidate(self.shared, self._shared_cursor(st), k)
+            if other.expected_accepts > best.expected_accepts:
+                best = other
+        return best
+
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> DraftBatch:
+        """Point-mass drafts for ``slots`` (``temperature`` and ``generator`` are not needed)."""
+        R, K = len(slots), self.max_drafts
+        tokens = torch.zeros(R, K, dtype=torch.long)
+        logits = torch.zeros(R, K)
+        confidence = torch.zeros(R, K)
+        lens = torch.zeros(R, dtype=torch.long)
+        for r, s in enumerate(slots):
+            cand = self.propose_one(s)
+            n = len(cand.tokens)
+            lens[r] = n
+            if n:
+                tokens[r, :n] = torch.tensor(cand.tokens)
+                logits[r, :n] = torch.tensor(cand.logits)
+                confidence[r, :n] = torch.tensor(cand.confidence)
+        return DraftBatch(tokens=tokens, lens=lens, confidence=confidence, probs=None, conf_logits=logits,
+                          source=self.name)

@@ -1,0 +1,233 @@
+"""The proposer interface: point-mass drafts stay lossless, the null proposer, the neural adapter
+feeds the drafter exactly what the engine does, one accept_len, typed stats, costs."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from dspark.engine.api import SamplingParams
+from dspark.engine.proposers import (DraftBatch, EngineStats, NullProposer, ProposerCost, ProposerStats,
+                                     SuffixConfig, SuffixProposer, accept_len, accept_len_of_rounds)
+from dspark.engine.proposers.neural import MAX_BACKLOG_TOKENS, NeuralProposer
+from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.sps import SpsTable
+from dspark.engine.target_runner import TargetRunner
+from dspark.plugins.reference import verify
+from dspark.training.metrics import accept_len as accept_len_training
+from dspark.training.models import build_drafter, drafter_config_for
+
+from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
+
+
+# -- point-mass drafts through the lossless verify rule ------------------------------------------------
+def _verify_point_mass(batch: DraftBatch, logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every available draft of ``batch`` (one row per request, each its own seed)."""
+    R, L = batch.rows, batch.width
+    V = logits.shape[-1]
+    res = verify(batch.tokens, batch.verify_probs(V), logits.expand(R, L + 1, V).contiguous(), batch.lens,
+                 torch.full((R,), temperature), seed=torch.arange(R) + 12345, offset=torch.zeros(R, dtype=torch.long))
+    return res.num_accepted, res.output_tokens
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_point_mass_drafts_emit_exactly_the_target_distribution(temperature):
+    """A point mass at x is valid input for the rejection rule: accept x with probability p_t(x),
+    else sample from p_t with x removed; so the first emitted token follows p_t and, after an
+    accepted x, the next one follows the target's next distribution."""
+    V, R = 6, 6000
+    logits = torch.tensor([[[1.2, 0.3, -0.5, 0.9, 0.0, -1.0], [0.1, 1.5, -0.2, 0.4, -0.8, 0.6],
+                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])
+    p_t = torch.softmax(logits[0].double() / temperature, -1).numpy()
+    x0, x1 = 3, 1  # drafts: a mid-probability first token, then the second position's favourite
+    batch = DraftBatch(tokens=torch.tensor([[x0, x1]]).expand(R, 2), lens=torch.full((R,), 2),
+                       confidence=torch.ones(R, 2))
+    assert batch.point_mass and torch.equal(batch.verify_probs(V)[0, 0], torch.eye(V)[x0])
+    n, out = _verify_point_mass(batch, logits, temperature)
+    y0 = out[:, 0].numpy()
+    observed = np.bincount(y0, minlength=V)
+    assert chisquare(observed, R * p_t[0]).pvalue > 1e-3, "the first emitted token must follow p_t"
+    assert not bool(((n == 0) & (out[:, 0] == x0)).any()), "a rejected draft is never the recovered token"
+    after = out[:, 1][out[:, 0] == x0].numpy()  # accepted x0: the next token follows p_t at position 1
+    observed1 = np.bincount(after, minlength=V)
+    assert chisquare(observed1, len(after) * p_t[1]).pvalue > 1e-3
+    assert abs((n >= 1).double().mean().item() - p_t[0, x0]) < 4 * np.sqrt(p_t[0, x0] * (1 - p_t[0, x0]) / R)
+
+
+@settings(max_examples=40, deadline=None)
+@given(drafts=st.lists(st.integers(0, 4), min_size=1, max_size=5), data=st.data())
+def test_greedy_point_mass_accepts_the_longest_prefix_equal_to_the_argmaxes(drafts, data):
+    K = len(drafts)
+    argmax = data.draw(st.lists(st.integers(0, 4), min_size=K + 1, max_size=K + 1))
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 5).float().unsqueeze(0) * 3.0
+    batch = DraftBatch(tokens=torch.tensor([drafts]), lens=torch.tensor([K]), confidence=torch.ones(1, K))
+    n, out = _verify_point_mass(batch, logits, 0.0)
+    expect = next((j for j in range(K) if drafts[j] != argmax[j]), K)
+    assert int(n[0]) == expect and out[0, : expect + 1].tolist() == argmax[: expect + 1]
+
+
+def test_suffix_drafts_are_point_masses_that_verify_unchanged():
+    prop = SuffixProposer(SuffixConfig(max_drafts=3, scope="request"))
+    prop.reset(0, [4, 1, 2, 3, 4, 1])
+    batch = prop.propose([0])
+    assert batch.point_mass and batch.tokens[0].tolist() == [2, 3, 4]
+    logits = torch.nn.functional.one_hot(torch.tensor([2, 3, 0, 1]), 5).float().unsqueeze(0) * 3.0
+    n, out = _verify_point_mass(batch, logits, 0.0)
+    assert int(n[0]) == 2 and out[0, :3].tolist() == [2, 3, 0]
+
+
+# -- the null proposer -------------------------------------------------------------------------------
+def test_null_proposer_drafts_nothing_costs_nothing_and_verify_then_samples_the_target():
+    prop = NullProposer()
+    prop.reset(3, [1, 2])
+    prop.commit(3, [5], None)
+    batch = prop.propose([3, 0, 1], torch.zeros(3))
+    assert batch.width == 0 and batch.lens.tolist() == [0, 0, 0] and prop.max_drafts == 0
+    assert prop.cost().seconds(64) == 0.0 and not prop.needs_features
+    prop.move(3, 0)
+    prop.release(0)
+    # the first token through the verify path with zero drafts: greedy gives the argmax, T=1 samples p_t
+    V, R = 5, 4000
+    logits = torch.tensor([[[0.5, 1.0, -0.3, 0.2, 0.0]]])
+    empty = NullProposer().propose(list(range(R)), torch.ones(R))
+    _, out = _verify_point_mass(empty, logits, 1.0)
+    p = torch.softmax(logits[0, 0].double(), -1).numpy()
+    assert chisquare(np.bincount(out[:, 0].numpy(), minlength=V), R * p).pvalue > 1e-3
+    _, greedy = _verify_point_mass(NullProposer().propose([0], torch.zeros(1)), logits, 0.0)
+    assert greedy[0].tolist() == [1]
+
+
+# -- the neural adapter ---------------------------------------------------------------------------------
+def _decode_with_proposer(target, prop: NeuralProposer, prompt: list[int], max_tokens: int, chunk: int):
+    """Greedy batch-1 decoding the way the engine runs it, through the proposer interface;
+    -> (emitted tokens, the drafts of every round)."""
+    runner = TargetRunner(target, 1)
+    K = prop.max_drafts
+    prop.reset(0, prompt)
+    for a in range(0, len(prompt), chunk):  # prefill in chunks: features of each chunk's positions
+        piece = prompt[a:a + chunk]
+        o = runner.forward([0], [piece], need_features=True, last_logits_only=True)
+        runner.set_length(0, a + len(piece))
+        prop.commit(0, [], o.aux[0, :len(piece)].float())
+        prop.settle([0])
+    emitted = [int(o.logits[0, 0].argmax())]
+    prop.commit(0, emitted[:1])
+    prop.settle([0])
+    rounds = []
+    while len(emitted) < max_tokens:
+        batch = prop.propose([0], torch.zeros(1))
+        rounds.append(batch.tokens.clone())
+        L = min(K, max_tokens - len(emitted) - 1)
+        o = runner.forward([0], [[emitted[-1]] + batch.tokens[0, :L].tolist()], need_features=True)
+        res = verify(batch.tokens[:, :L], None, o.logits[:, :L + 1].float(), torch.tensor([L]), torch.zeros(1))
+        n = int(res.num_accepted[0])
+        new = res.output_tokens[0, :n + 1].tolist()
+        runner.set_length(0, int(runner.lengths[0]) + n + 1)
+        prop.commit(0, new, o.aux[0, :n + 1].float())
+        prop.settle([0])
+        emitted += new
+    return emitted[:max_tokens], rounds
+
+
+@pytest.mark.parametrize("algo, prompt_len, chunk", [("dspark", 23, 6), ("eagle3", 23, 6), ("dspark", 270, 64)])
+def test_neural_proposer_feeds_the_drafter_what_the_engine_does(algo, prompt_len, chunk):
+    """Same drafts every round as engine/runtime.py's own backlog path, so the moved logic is the same."""
+    target = make_tiny_target()
+    torch.manual_seed(5)
+    drafter = build_drafter(drafter_config_for(tiny_run_config(algo), target), target)
+    prompt = [3 + (7 * i) % 60 for i in range(prompt_len)]
+    eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=1, prefill_chunk=chunk,
+                                                   static_steps="off"))
+    seen = []
+    engine_propose = eng.draft_runner.propose
+
+    def spy(*args, **kwargs):
+        prop = engine_propose(*args, **kwargs)
+        seen.append(prop.tokens.cpu().clone())
+        return prop
+    eng.draft_runner.propose = spy
+    out = run_to_completion(eng, [("r", prompt, SamplingParams(max_tokens=14))])["r"]
+    prop = NeuralProposer(drafter, 1)
+    emitted, rounds = _decode_with_proposer(target, prop, prompt, 14, chunk)
+    assert emitted == out
+    assert len(rounds) == len(seen) and all(torch.equal(a, b) for a, b in zip(rounds, seen))
+    if prompt_len > MAX_BACKLOG_TOKENS:  # a long prompt's backlog was flushed at the end of prefill
+        assert int(prop.runner.cache.lengths[0]) >= MAX_BACKLOG_TOKENS
+
+
+def test_neural_backlog_waits_for_a_draft_and_follows_a_move():
+    target = make_tiny_target()
+    torch.manual_seed(1)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    prop = NeuralProposer(drafter, 2)
+    F = drafter.fc.in_features
+    for slot in (0, 1):
+        prop.reset(slot, [4, 5, 6, 7 + slot])
+        prop.commit(slot, [], torch.randn(4, F))  # the prompt's last position waits for its next token
+        assert prop.backlog_tokens(slot) == 3
+        prop.commit(slot, [9], None)
+        prop.settle([slot])  # under the bound: nothing flushed, the drafter's cache is untouched
+        assert prop.backlog_tokens(slot) == 4 and int(prop.runner.cache.lengths[slot]) == 0
+    before = prop.propose([1], torch.zeros(1)).tokens
+    assert prop.backlog_tokens(1) == 0 and int(prop.runner.cache.lengths[1]) == 4
+    prop.release(0)
+    prop.move(1, 0)
+    assert torch.equal(prop.propose([0], torch.zeros(1)).tokens, before)
+    assert prop.cost().known is False
+    with pytest.raises(ValueError, match="never profiled"):
+        prop.cost().seconds(1)
+
+
+# -- one accept_len, typed stats, costs ---------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(acc=st.lists(st.integers(0, 7), min_size=1, max_size=30))
+def test_accept_len_is_the_mean_of_accepted_plus_one_in_every_form(acc):
+    stats = ProposerStats()
+    for a in acc:
+        stats.record(7, a)
+    value = accept_len(sum(acc), len(acc))
+    assert value == pytest.approx(accept_len_training(acc)) == pytest.approx(accept_len_of_rounds(acc))
+    assert stats.accept_len == pytest.approx(value)
+    assert accept_len(0, 0) is None
+
+
+def test_engine_stats_by_proposer_windows_and_legacy_keys():
+    s = EngineStats()
+    s.record_round("suffix", 3, 2)
+    s.record_round("dspark", 7, 0)
+    s.decode_steps += 1
+    before = s.snapshot()
+    s.record_round("suffix", 2, 2)
+    s.record_round("none", 0, 0)
+    s.decode_steps += 1
+    window = s.since(before)
+    assert window.rounds == 2 and window.accept_len == pytest.approx((2 + 2) / 2)
+    assert window.by_proposer["suffix"].accept_len == 3.0 and window.by_proposer["dspark"].rounds == 0
+    assert s.by_proposer["suffix"].accepted_per_round == 2.0
+    legacy = s.as_dict(max_drafts=7)
+    assert legacy["rounds"] == 2 and legacy["batch_size_sum"] == 4 and legacy["accepted_tokens"] == 4
+    assert legacy["verify_len_hist"] == [1, 0, 1, 1, 0, 0, 0, 1] and legacy["accepted_per_position"][:3] == [2, 2, 0]
+    with pytest.raises(ValueError):
+        s.record_round("suffix", 1, 2)
+
+
+def test_proposer_cost_reads_the_profiled_drafter_pass():
+    table = SpsTable(tokens=[1, 8, 64], steps_per_s=[40.0, 20.0, 5.0], device="cpu", engine="toy",
+                     draft_requests=[1, 16], draft_seconds=[0.01, 0.03])
+    assert ProposerCost(table=table, on_device=True).seconds(8) == pytest.approx(table.draft_time(8))
+    assert ProposerCost(per_row_s=1e-4, fixed_s=1e-3).seconds(10) == pytest.approx(2e-3)
+    assert ProposerCost(per_row_s=1.0).seconds(0) == 0.0
+    assert SuffixProposer().cost().on_device is False
+
+
+def test_draft_batch_checks_shapes_and_counts_expected_accepts():
+    b = DraftBatch(tokens=torch.zeros(2, 3, dtype=torch.long), lens=torch.tensor([3, 1]),
+                   confidence=torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
+    assert b.expected_accepts().tolist() == pytest.approx([0.5 + 0.25 + 0.125, 0.9])
+    with pytest.raises(ValueError):
+        DraftBatch(tokens=torch.zeros(2, 3, dtype=torch.long), lens=torch.tensor([3]), confidence=torch.zeros(2, 3))

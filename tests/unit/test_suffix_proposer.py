@@ -1,0 +1,238 @@
+"""The suffix index against brute force on random token streams, and the suffix proposer's contract.
+
+Brute force: every substring of length <= D of the indexed sequences, counted by end
+position; the index must hold exactly those strings (no more nodes, also after removals),
+with the same occurrence and continuation counts, the most frequent continuation (ties:
+the one seen last), and the longest-suffix match of any query stream.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark.engine.proposers import SuffixConfig, SuffixIndex, SuffixProposer
+from dspark.engine.proposers.suffix import continuation_logit
+from dspark.engine.proposers.suffix_index import ROOT
+
+streams = st.lists(st.integers(0, 3), min_size=0, max_size=40)
+
+
+def brute_counts(seqs: list[list[int]], D: int) -> tuple[Counter, Counter]:
+    """(occurrences, occurrences followed by a token) of every substring of length 1..D; a length-D
+    string has no children in a depth-D trie, so its continuations are not counted."""
+    occ, cont = Counter(), Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for m in range(1, min(D, i + 1) + 1):
+                w = tuple(s[i - m + 1:i + 1])
+                occ[w] += 1
+                if i + 1 < len(s) and m < D:
+                    cont[w] += 1
+    return occ, cont
+
+
+def all_nodes(ix: SuffixIndex) -> dict[tuple[int, ...], int]:
+    out, stack = {}, [ROOT]
+    while stack:
+        u = stack.pop()
+        for v in ix.children(u):
+            out[tuple(ix.node_string(v))] = v
+            stack.append(v)
+    return out
+
+
+def check_against_brute(ix: SuffixIndex, seqs: list[list[int]]) -> None:
+    D = ix.max_depth
+    occ, cont = brute_counts(seqs, D)
+    nodes = all_nodes(ix)
+    assert set(nodes) == set(occ), "the trie must hold exactly the substrings of length <= D"
+    assert ix.num_nodes == len(occ) + 1, "no node may outlive its last occurrence (root included)"
+    assert ix.num_tokens == sum(map(len, seqs))
+    for w, v in nodes.items():
+        assert ix.count[v] == occ[w], f"count of {w}"
+        assert ix.out[v] == cont[w], f"continuation count of {w}"
+        assert ix.depth[v] == len(w)
+        assert ix.node_string(ix.link[v]) == list(w[1:]), "the suffix link names w[1:]"
+        kids = [(ix.count[c], ix.token[c]) for c in ix.children(v)]
+        if kids:
+            assert ix.count[ix.best[v]] == max(k for k, _ in kids), f"best child of {w} is a most frequent one"
+        else:
+            assert ix.best[v] == -1
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(streams, min_size=1, max_size=4), D=st.integers(2, 6), data=st.data())
+def test_index_counts_equal_brute_force_through_inserts_and_removals(seqs, D, data):
+    ix = SuffixIndex(D)
+    ids = []
+    for s in seqs:  # insert each sequence in random pieces: appending is incremental
+        sid = ix.add_sequence()
+        cut = sorted(data.draw(st.lists(st.integers(0, len(s)), max_size=3)))
+        for a, b in zip([0] + cut, cut + [len(s)]):
+            ix.extend(sid, s[a:b])
+        ids.append(sid)
+    check_against_brute(ix, seqs)
+    alive = list(range(len(seqs)))
+    for k in data.draw(st.permutations(range(len(seqs)))):
+        ix.remove(ids[k])
+        alive.remove(k)
+        check_against_brute(ix, [seqs[i] for i in alive])
+    assert ix.num_nodes == 1 and not ix.edges
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=streams, D=st.integers(2, 6))
+def test_ties_go_to_the_continuation_seen_last(seq, D):
+    ix = SuffixIndex(D)
+    ix.add_sequence(seq)
+    occ, _ = brute_counts([seq], D)
+    for w, v in all_nodes(ix).items():
+        if len(w) >= D or ix.best[v] == -1:
+            continue
+        followers = {}  # token -> (count, last position it followed w)
+        for i in range(len(w), len(seq)):
+            if tuple(seq[i - len(w):i]) == w:
+                n, _ = followers.get(seq[i], (0, -1))
+                followers[seq[i]] = (n + 1, i)
+        assert ix.token[ix.best[v]] == max(followers, key=lambda t: followers[t])
+
+
+@settings(max_examples=80, deadline=None)
+@given(seqs=st.lists(streams, min_size=1, max_size=3), query=streams, D=st.integers(2, 6))
+def test_match_and_advance_give_the_longest_suffix_in_the_index(seqs, query, D):
+    ix = SuffixIndex(D)
+    for s in seqs:
+        ix.add_sequence(s)
+    occ, _ = brute_counts(seqs, D)
+    node = ROOT
+    for i, t in enumerate(query):
+        node = ix.advance(node, t)  # amortised O(1): from the previous state, never from the start
+        prefix = query[:i + 1]
+        best = max((m for m in range(0, min(D, len(prefix)) + 1) if m == 0 or tuple(prefix[-m:]) in occ), default=0)
+        assert ix.depth[node] == best
+        assert ix.node_string(node) == (prefix[-best:] if best else [])
+        assert ix.match(prefix) == node
+
+
+@settings(max_examples=80, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=40), D=st.integers(3, 7), min_match=st.integers(1, 2))
+def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffix(seq, D, min_match):
+    ix = SuffixIndex(D)
+    sid = ix.add_sequence(seq)
+    toks, counts, totals = ix.draft(ix.last_node(sid), 1, min_match)
+    _, cont = brute_counts([seq], D)
+    # the longest suffix (shorter than D, at least min_match) that occurred followed by a token
+    ms = [m for m in range(min_match, min(D - 1, len(seq)) + 1) if cont[tuple(seq[-m:])] > 0]
+    if not ms:
+        assert toks == []
+        return
+    w = tuple(seq[-max(ms):])
+    followers = Counter(seq[i] for i in range(len(w), len(seq)) if tuple(seq[i - len(w):i]) == w)
+    assert counts[0] == max(followers.values()) and followers[toks[0]] == counts[0]
+    assert totals[0] == sum(followers.values()), "the confidence's denominator counts continued occurrences"
+
+
+def test_drafts_continue_a_repeated_pattern_and_back_off_past_the_depth():
+    ix = SuffixIndex(4)
+    sid = ix.add_sequence([9, 1, 2, 3, 4, 5, 6, 9, 1, 2])
+    toks, counts, totals = ix.draft(ix.last_node(sid), 6)
+    assert toks == [3, 4, 5, 6, 9, 1]  # longer than D - match: the walk backs off along suffix links
+    assert counts == totals  # every step seen once, followed once
+
+
+def test_shared_ring_memory_stays_under_its_bound_over_a_long_run():
+    D, budget = 6, 1500
+    prop = SuffixProposer(SuffixConfig(max_depth=D, shared_max_tokens=budget, shared_max_outputs=1000))
+    rng = random.Random(0)
+    peak_nodes = peak_bytes = 0
+    for i in range(200):  # 200 outputs of 20..80 tokens: ~10k tokens through a 1.5k-token ring
+        n = rng.randint(20, 80)
+        base = [rng.randrange(200) for _ in range(20)]
+        out = [base[rng.randrange(20)] if rng.random() < 0.5 else rng.randrange(5000) for _ in range(n)]
+        prop.add_shared(out)
+        ix = prop.shared
+        assert ix.num_tokens <= budget
+        assert ix.num_nodes <= 1 + D * ix.num_tokens
+        peak_nodes = max(peak_nodes, len(ix.count))  # allocated slots, freed ones included
+        if i == 50:
+            bytes_early = ix.nbytes()
+        peak_bytes = max(peak_bytes, ix.nbytes())
+    assert peak_nodes <= 1 + D * budget, "freed nodes are reused: the arrays never outgrow the bound"
+    assert peak_bytes < 2 * bytes_early, "memory levels off once the ring is full"
+    prop.shared.remove(prop.shared.sequence_ids[0])  # the structure stays consistent after evictions
+    assert prop.shared.num_tokens <= budget
+
+
+def _drive(prop: SuffixProposer, slot: int, prompt: list[int], output: list[int]) -> None:
+    prop.reset(slot, prompt)
+    prop.commit(slot, output)
+
+
+def test_request_scope_never_drafts_from_another_requests_output():
+    secret = [40, 41, 42, 43, 44, 45]
+    for scope, shares in (("shared", True), ("request", False)):
+        prop = SuffixProposer(SuffixConfig(max_drafts=4, scope=scope))
+        _drive(prop, 0, [1, 2, 3], [7, 8] + secret)
+        prop.release(0)  # request 0 finished: its output enters the shared ring (shared scope only)
+        prop.reset(0, [5, 6, 7, 8, 40, 41])  # a new request in the same slot, ending like request 0's output
+        batch = prop.propose([0])
+        assert (batch.tokens[0, :4].tolist() == secret[2:6]) is shares
+        if not shares:
+            assert int(batch.lens[0]) == 0
+            with pytest.raises(ValueError, match="request scope"):
+                prop.add_shared(secret)
+
+
+def test_running_requests_do_not_see_each_others_text_until_released():
+    prop = SuffixProposer(SuffixConfig(max_drafts=3))
+    _drive(prop, 0, [1, 2], [30, 31, 32, 33])
+    prop.reset(1, [9, 30, 31])
+    assert int(prop.propose([1]).lens[0]) == 0  # slot 0 is still running: not in the shared index
+    prop.release(0)
+    prop.commit(1, [])  # nothing new in slot 1, but the shared index changed: the cursor re-syncs
+    assert prop.propose([1]).tokens[0].tolist() == [32, 33, 0]
+
+
+def test_move_carries_a_slot_and_reset_forgets_it():
+    prop = SuffixProposer(SuffixConfig(max_drafts=3, scope="request"))
+    _drive(prop, 0, [1, 2, 3, 4], [1, 2])
+    _drive(prop, 1, [5, 6, 7, 8], [5, 6])
+    before = prop.propose([1]).tokens.tolist()
+    assert before == [[7, 8, 5]]
+    prop.release(0)
+    prop.move(1, 0)  # the engine compacts slot 1 into the hole at 0
+    assert prop.propose([0]).tokens.tolist() == before
+    prop.commit(0, [7])
+    assert prop.propose([0]).tokens.tolist() == [[8, 5, 6]]
+    with pytest.raises(KeyError):
+        prop.propose([1])
+    prop.reset(0, [9, 9, 1])  # a new request: nothing of the old one remains
+    assert int(prop.propose([0]).lens[0]) == 0
+
+
+def test_confidence_is_the_smoothed_continuation_probability_and_sts_rescales_it():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]  # "1 2" was followed by 3 twice and by 4 once
+    plain = SuffixProposer(SuffixConfig(max_drafts=2, min_match=2, max_depth=3, scope="request"))
+    plain.reset(0, seq)
+    b = plain.propose([0])
+    assert b.tokens[0, 0] == 3 and b.point_mass
+    assert b.conf_logits[0, 0].item() == pytest.approx(continuation_logit(2, 3))
+    assert b.confidence[0, 0].item() == pytest.approx(2.5 / 4)
+    hot = SuffixProposer(plain.cfg, sts_temperatures=[2.0, 2.0])
+    hot.reset(0, seq)
+    h = hot.propose([0])
+    assert torch.equal(h.tokens, b.tokens), "calibration changes confidences, never drafts"
+    assert h.confidence[0, 0].item() == pytest.approx(torch.sigmoid(torch.tensor(continuation_logit(2, 3) / 2)).item())
+    with pytest.raises(ValueError):
+        SuffixProposer(plain.cfg, sts_temperatures=[1.0])
+
+
+def test_config_refuses_bad_settings():
+    for bad in ({"scope": "tenant"}, {"max_depth": 1}, {"min_match": 0}, {"max_drafts": 0}, {"shared_max_tokens": 0}):
+        with pytest.raises(ValueError):
+            SuffixConfig(**bad)
