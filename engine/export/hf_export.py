@@ -9,8 +9,8 @@ and the loaders that read them (vLLM ``qwen3_dspark.py``, TensorRT-LLM ``_torch/
   with per-head q/k RMSNorm whatever the target family, ``layer_style=qwen3``),
   ``num_hidden_layers`` (draft layers), ``num_target_layers``, ``block_size``, ``mask_token_id``,
   ``target_layer_ids`` (the decoder layers whose *outputs* are fused; vLLM adds 1 to capture
-  them at the next layer's input), ``num_anchors`` (training-only), ``markov_rank`` (0 = no
-  Markov head: DFlash), ``markov_head_type``, ``enable_confidence_head``,
+  them at the next layer's input), ``num_anchors`` (training-only), ``markov_rank``,
+  ``markov_head_type``, ``enable_confidence_head``,
   ``confidence_head_with_markov``, ``draft_vocab_size``, ``tie_word_embeddings: false``,
   ``layer_types``; plus ``dspark_kit`` (our DrafterConfig, for an exact import back);
 - ``model.safetensors`` with the reference tensor names (:data:`NAME_PAIRS`), the target's frozen
@@ -20,6 +20,11 @@ and the loaders that read them (vLLM ``qwen3_dspark.py``, TensorRT-LLM ``_torch/
   embed the previous target id) and ``markov_w2`` has ``n`` rows. The kit's ``W1`` has ``n + 1``
   rows (the draft ids, then one shared row for every id outside them), so row ``t`` of the
   export is the kit's row ``to_draft(t)``: the same bias for every previous token, exactly.
+
+DFlash (no Markov head) is written as a Markov head of rank :data:`NULL_MARKOV_RANK` with
+all-zero weights, whose bias is exactly 0: vLLM's DSpark model always builds a Markov head, and a
+rank of 0 (DeepSpec's spelling of "none") makes its CPU GEMM set-up die with SIGFPE on the
+``[n, 0]`` weight. The import maps such a head back to DFlash when the ``dspark_kit`` record says so.
 
 Refused with the reason (nothing written): an Eagle3 drafter (eagle3_export.py), draft layers
 without q/k norms (``layer_style`` llama, or ``target`` on a family without them: the loaders
@@ -35,10 +40,11 @@ import torch
 
 from .layout import DTYPES, ExportError, d2t_t2d, target_config, write_checkpoint_dir
 
-__all__ = ["ExportError", "NAME_PAIRS", "rename_tensor", "to_deepspec_state", "deepspec_config", "export_hf",
+__all__ = ["ExportError", "NULL_MARKOV_RANK", "NAME_PAIRS", "rename_tensor", "to_deepspec_state", "deepspec_config", "export_hf",
            "check_exportable", "DTYPES", "DSPARK_ARCHITECTURE"]
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
+NULL_MARKOV_RANK = 1  # the all-zero Markov head a DFlash drafter is exported with
 
 # (our name, reference name) of every drafter tensor; "{i}" is a layer index
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -104,6 +110,9 @@ def to_deepspec_state(drafter, dtype: torch.dtype = torch.float32) -> dict[str, 
             state["markov.w1.weight"] = w1.index_select(0, drafter.to_draft(torch.arange(V, device=ids.device)).cpu())
     for k, v in state.items():
         out[_to_reference(k)] = v.to(dtype).contiguous()
+    if drafter.markov is None:  # DFlash: a zero head, bias exactly 0
+        out["markov_head.markov_w1.weight"] = torch.zeros(V, NULL_MARKOV_RANK, dtype=dtype)
+        out["markov_head.markov_w2.weight"] = torch.zeros(drafter.draft_vocab_size, NULL_MARKOV_RANK, dtype=dtype)
     out["embed_tokens.weight"] = drafter.embed.weight.detach().to(dtype).contiguous().cpu().clone()
     out["lm_head.weight"] = drafter.draft_head.weight.detach().to(dtype).contiguous().cpu().clone()
     return out
@@ -125,13 +134,12 @@ def deepspec_config(drafter, target, dtype: str = "float32", num_anchors: int = 
         "target_layer_ids": [int(i) for i in target.profile.layer_ids],
         "num_anchors": int(num_anchors),
         "enable_confidence_head": bool(cfg.confidence_head),
-        "markov_rank": int(cfg.markov_rank) if cfg.markov_head != "none" else 0,
+        "markov_rank": int(cfg.markov_rank) if cfg.markov_head != "none" else NULL_MARKOV_RANK,
+        "markov_head_type": "vanilla",
         "draft_vocab_size": int(drafter.draft_vocab_size),
         "torch_dtype": dtype,
         "dspark_kit": {"drafter": dataclasses.asdict(cfg), "target_identity": target.identity()},
     })
-    if cfg.markov_head != "none":
-        conf["markov_head_type"] = cfg.markov_head
     if cfg.confidence_head:
         conf["confidence_head_with_markov"] = cfg.markov_head != "none"
     return conf

@@ -212,3 +212,16 @@ def test_trtllm_version_is_resolved_recorded_and_an_unknown_one_refused(tmp_path
     with pytest.raises(builder.BuildError, match="trtllm-version"):
         builder.build_engine(drafter_dir=tmp_path / "ck", output=tmp_path / "eng2", target=target,
                              trtllm_version="2.0")
+
+
+def test_dflash_is_written_with_an_all_zero_markov_head_of_rank_one(tmp_path):
+    """vLLM's DSpark model always builds a Markov head (rank 0 crashes its CPU GEMM set-up), so
+    DFlash goes out as a zero head: bias exactly 0; the kit record brings it back as DFlash."""
+    target = make_tiny_target()
+    export_hf(_drafter(target, "dflash", draft_vocab=True), target, tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    st = load_file(str(tmp_path / "model.safetensors"))
+    assert conf["markov_rank"] == 1 and conf["enable_confidence_head"] is False
+    assert st["markov_head.markov_w1.weight"].shape == (target.vocab_size, 1)
+    assert st["markov_head.markov_w2.weight"].shape == (16, 1)
+    assert not st["markov_head.markov_w1.weight"].any() and not st["markov_head.markov_w2.weight"].any()
