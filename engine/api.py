@@ -19,7 +19,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # 1.0 = off
     top_k: int = 0  # 0 = off
-    seed: int | None = None
+    seed: int | None = None  # same seed, prompt and parameters -> same tokens (docs/runtime.md); None: a random one
     stop_token_ids: list[int] = field(default_factory=list)  # e.g. end_id; the stop token is emitted
     stop_strings: list[str] = field(default_factory=list)
 
@@ -34,6 +34,9 @@ class SamplingParams:
             raise RequestValidationError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise RequestValidationError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise RequestValidationError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
 
 
 @dataclass

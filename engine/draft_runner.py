@@ -91,13 +91,13 @@ class BlockDraftRunner:
             self.cache.lengths[r] += a.shape[0]
 
     @torch.no_grad()
-    def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, generator=None) -> Proposal:
+    def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, noise=None) -> Proposal:
         """One block per slot; the anchor sits right after the slot's context."""
         T = int(self.cache.lengths[slots].max())
         ctx_kv = [self.cache.view(li, slots, T) for li in range(len(self.model.layers))]
         dev = anchors.device
         return self.model.propose(anchors, self.cache.lengths[slots].to(dev), ctx_kv,
-                                  self.cache.valid(slots, T).to(dev), temperature, generator)
+                                  self.cache.valid(slots, T).to(dev), temperature, noise)
 
     def reset(self, slot: int) -> None:
         self.cache.lengths[slot] = 0
@@ -153,12 +153,12 @@ class Eagle3DraftRunner:
             self.cache.lengths[r] += a.shape[0]
 
     @torch.no_grad()
-    def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, generator=None) -> Proposal:
+    def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, noise=None) -> Proposal:
         T = int(self.cache.lengths[slots].max())
         past = [self.cache.view(li, slots, T) for li in range(len(self.model.layers))]
         dev = anchors.device
         return self.model.propose_from(self.last_hidden[slots], past, self.cache.valid(slots, T).to(dev),
-                                       self.cache.lengths[slots].to(dev), temperature, generator)
+                                       self.cache.lengths[slots].to(dev), temperature, noise)
 
     def reset(self, slot: int) -> None:
         self.cache.lengths[slot] = 0

@@ -9,17 +9,25 @@ One ``step()``:
 3. decode: unless the drafting gate (``draft_gate.py``) predicts that a plain step is
    faster on this hardware, the drafter proposes a block for every decoding request, the verify-length
    policy picks how many drafts each request verifies (``l_r``), the target runs the
-   ragged batch ``[anchor, d_1..d_l]`` once, and ``plugins.verify`` accepts a prefix and
+   ragged batch ``[anchor, d_1..d_l]`` once, and the verify rule accepts a prefix and
    emits a recovered or bonus token (lossless for greedy and sampled requests);
 4. accepted tokens are committed (rejected K/V are trimmed by length), streamed to each
    request's callback, and finished requests leave (their slots are compacted).
 
 ``mode="target_only"`` is the same engine with every verify length 0: plain decoding,
 the baseline for every speculative comparison.
+
+Sampled requests are verified by one of two rules (``EngineConfig.sampling_rule``,
+docs/runtime.md "Seeded sampling"): the coupled rule of ``plugins/coupled.py``, whose output
+is a function of (seed, prompt, sampling parameters) alone, the same with any drafter or
+none, in any batch, whatever the gate and the scheduler decided; or rejection sampling
+(``plugins.reference.verify`` / the CUDA op). A request that carries a seed always gets the
+coupled rule, since a seed promises reproducible tokens; the setting decides for the others.
 """
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -28,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.plugins import coupled
 from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
@@ -62,7 +71,10 @@ class EngineConfig:
     # most prompt tokens of all requests per step (0: no limit): a burst of new requests then
     # prefills over several steps, oldest first, and the running ones decode in between
     prefill_tokens: int = 1024
-    seed: int = 0
+    seed: int = 0  # seeds the seeds of requests that come without one
+    # the verify rule of sampled requests without a seed: coupled | rejection (requests with a
+    # seed always use coupled; docs/runtime.md "Seeded sampling")
+    sampling_rule: str = "coupled"
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     attention: str = "auto"  # auto (varlen kernel for fp32 on CPU) | varlen | sdpa: engine/target_runner.py
     threads: int = 0  # intra-op threads (0: torch's default, one per usable core): engine/threads.py
@@ -92,6 +104,7 @@ class _Request:
     cancelled: bool = False
     finished: bool = False
     seed: int = 0
+    coupled: bool = True  # verified by the coupled rule (else rejection sampling)
     t_submit: float = 0.0
 
 
@@ -113,6 +126,8 @@ class SpecEngine:
                              f"{self.cfg.prefill_tokens}")
         if self.cfg.mode not in ("spec", "target_only"):
             raise ValueError(f"mode must be spec or target_only, got {self.cfg.mode!r}")
+        if self.cfg.sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.cfg.sampling_rule!r}")
         if self.cfg.mode == "spec" and drafter is None:
             raise ValueError("speculative mode needs a drafter checkpoint (build one with scripts/build_engine.sh)")
         self.target = target
@@ -137,7 +152,7 @@ class SpecEngine:
         self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
         self.verify = _verify_fn()
         self.device = self.runner.device
-        self._gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)  # the drafter samples on its device
+        self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
         self._queue: deque[_Request] = deque()
         self._active: list[_Request] = []
         self._lock = threading.Lock()
@@ -174,8 +189,9 @@ class SpecEngine:
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestValidationError(f"prompt token ids must lie in [0, {vocab})")
-        seed = params.seed if params.seed is not None else hash(request_id) & 0x7FFFFFFF
-        req = _Request(request_id, list(prompt_ids), params, on_output, seed=seed, t_submit=time.perf_counter())
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = _Request(request_id, list(prompt_ids), params, on_output, seed=seed, t_submit=time.perf_counter(),
+                       coupled=params.seed is not None or self.cfg.sampling_rule == "coupled")
         with self._wake:
             self._queue.append(req)
             self._wake.notify()
@@ -333,15 +349,15 @@ class SpecEngine:
             self.draft_runner.append(rows)
 
     def _sample_first(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
-        dev = logits.device
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        probs = verify_ref.process_logits(logits, temp, torch.tensor([r.params.top_k for r in reqs], device=dev),
-                                          torch.tensor([r.params.top_p for r in reqs], device=dev)).cpu()
-        out = []
-        for r, p in zip(reqs, probs):
-            g = torch.Generator().manual_seed((r.seed * 0x9E3779B1 + 7) % (2**63))
-            out.append(int(torch.multinomial(p, 1, generator=g)))
-        return out
+        """Each request's first token from the prompt's last logits [n, V]: its target choice
+        at that position (``plugins/coupled.py``), under either rule an exact sample."""
+        res = coupled.verify_coupled(
+            torch.zeros(len(reqs), 0, dtype=torch.long, device=logits.device), logits.float().unsqueeze(1),
+            torch.zeros(len(reqs), dtype=torch.long, device=logits.device),
+            torch.tensor([r.params.temperature for r in reqs], device=logits.device),
+            top_k=torch.tensor([r.params.top_k for r in reqs]), top_p=torch.tensor([r.params.top_p for r in reqs]),
+            seed=torch.tensor([r.seed for r in reqs]), position=torch.tensor([_next_position(r) for r in reqs]))
+        return res.output_tokens[:, 0].tolist()
 
     def _max_lens(self, reqs: list[_Request]) -> torch.Tensor:
         caps = []
@@ -369,7 +385,8 @@ class SpecEngine:
         sub = [reqs[i] for i in rows]
         idx = torch.tensor(rows)
         self._flush_draft_context(sub)
-        prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device), self._gen)
+        prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device),
+                                         _draft_noise(sub))
         conf_rows: list[list[float] | None] = [None] * R
         confidence = torch.zeros(R, self.K)  # rows that do not draft verify nothing (cap 0 below)
         if prop.conf_logits is not None:
@@ -411,13 +428,7 @@ class SpecEngine:
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        draft_probs = _verify_probs(prop if drafting else None, rows, R, L, temps, target_logits)
-        res = self.verify(
-            drafts[:, :L].to(target_logits.device), draft_probs, target_logits, lens.to(target_logits.device),
-            temps.to(target_logits.device),
-            top_k=torch.tensor([r.params.top_k for r in reqs], device=target_logits.device),
-            top_p=torch.tensor([r.params.top_p for r in reqs], device=target_logits.device),
-            seed=torch.tensor([r.seed for r in reqs]), offset=torch.tensor([r.steps for r in reqs]))
+        res = self._verify(reqs, drafts[:, :L], prop if drafting else None, rows, target_logits, lens, temps)
         n_acc = res.num_accepted.cpu().tolist()
         if drafting and self.gate is not None:
             self.gate.observe(len(rows), int(lens.sum()), sum(n_acc))
@@ -445,6 +456,46 @@ class SpecEngine:
             r.anchor = new[-1]
             self._emit(r, new)
         self._flush_over_bound(reqs)
+
+    def _verify(self, reqs: list[_Request], drafts: torch.Tensor, prop, rows: list[int], target_logits: torch.Tensor,
+                lens: torch.Tensor, temps: torch.Tensor) -> verify_ref.VerifyResult:
+        """Verify every row by its request's rule: coupled rows (and greedy ones, the same under
+        both rules) in one call, rejection-sampled rows in another; results merged in row order."""
+        R, L = drafts.shape
+        dev = target_logits.device
+        top_k = torch.tensor([r.params.top_k for r in reqs])
+        top_p = torch.tensor([r.params.top_p for r in reqs])
+        seed = torch.tensor([r.seed for r in reqs])
+        by_rejection = torch.tensor([not r.coupled and r.params.temperature > 0 for r in reqs], dtype=torch.bool)
+        n_rej = int(by_rejection.sum())
+        position = torch.tensor([_next_position(r) for r in reqs])
+        offset = torch.tensor([r.steps for r in reqs])
+
+        def rows_of(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+            return t if sel is None else t[sel.to(t.device)]
+
+        def run_coupled(sel: torch.Tensor | None):
+            return coupled.verify_coupled(rows_of(drafts, sel).to(dev), rows_of(target_logits, sel), rows_of(lens, sel).to(dev),
+                                          rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel), top_p=rows_of(top_p, sel),
+                                          seed=rows_of(seed, sel), position=rows_of(position, sel))
+
+        def run_rejection(sel: torch.Tensor | None):
+            draft_probs = _verify_probs(prop, rows, R, L, temps, target_logits)
+            return self.verify(rows_of(drafts, sel).to(dev), None if draft_probs is None else rows_of(draft_probs, sel),
+                               rows_of(target_logits, sel), rows_of(lens, sel).to(dev), rows_of(temps, sel).to(dev),
+                               top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev), seed=rows_of(seed, sel),
+                               offset=rows_of(offset, sel))
+        if n_rej == 0:
+            return run_coupled(None)
+        if n_rej == R:
+            return run_rejection(None)
+        a, b = run_coupled(~by_rejection), run_rejection(by_rejection)
+        n = torch.empty(R, dtype=torch.long, device=dev)
+        out = torch.empty(R, L + 1, dtype=torch.long, device=dev)
+        for part, sel in ((a, ~by_rejection), (b, by_rejection)):
+            n[sel.to(dev)] = part.num_accepted
+            out[sel.to(dev)] = part.output_tokens
+        return verify_ref.VerifyResult(num_accepted=n, output_tokens=out, num_emitted=n + 1)
 
     # -- output ---------------------------------------------------------------------------------------
     def _emit(self, r: _Request, tokens: list[int]) -> None:
@@ -517,7 +568,8 @@ class SpecEngine:
 
 def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: str = "algorithm1",
                 device: str = "cpu", max_batch: int = 64, max_context: int = 2048,
-                prefill_chunk: int = EngineConfig.prefill_chunk, prefill_tokens: int = EngineConfig.prefill_tokens):
+                prefill_chunk: int = EngineConfig.prefill_chunk, prefill_tokens: int = EngineConfig.prefill_tokens,
+                sampling_rule: str = EngineConfig.sampling_rule):
     """Build an engine from an engine directory (``dspark build`` output) or the embedded target.
 
     ``engine_dir`` holds ``engine.json`` naming the target profile, the drafter checkpoint
@@ -561,8 +613,25 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         log.warning("no SPS table in %s: falling back to fixed-length verification", engine_dir)
         scheduler = "fixed"
     cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context,
-                       prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
+                       prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, sampling_rule=sampling_rule)
     return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)
+
+
+SAMPLING_RULES = ("coupled", "rejection")
+
+
+def _next_position(r: _Request) -> int:
+    """The sequence position of the request's next token (its first draft, or its first token)."""
+    return len(r.prompt) + len(r.generated)
+
+
+def _draft_noise(reqs: list[_Request]) -> coupled.RaceNoise:
+    """The drafter's noise: coupled requests draft with the noise their target choices use
+    (seed, position); rejection-sampled ones with fresh noise per round, since that rule needs
+    drafts independent of everything already decided."""
+    keys = [r.seed if r.coupled else coupled.round_key(r.seed, r.steps) for r in reqs]
+    return coupled.RaceNoise(torch.tensor(keys, dtype=torch.long),
+                             torch.tensor([_next_position(r) for r in reqs], dtype=torch.long))
 
 
 def _verify_probs(prop, rows: list[int], R: int, L: int, temps: torch.Tensor,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.plugins.coupled import RaceNoise
+
 from ..cpu_linear import project
 from ..draft_vocab import scatter_to_vocab
 from ..heads import ConfidenceHead, MarkovHead
@@ -129,13 +131,14 @@ class BlockDrafter(TargetTiedDrafter):
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor,
-                temperature: torch.Tensor, generator: torch.Generator | None = None) -> "Proposal":
+                temperature: torch.Tensor, noise: RaceNoise | None = None) -> "Proposal":
         """Draft K tokens for R requests in one parallel pass, then the sequential heads.
 
         anchor/anchor_pos [R]; ctx_kv per layer [R, Hkv, T, hd]; ctx_valid [R, T] bool;
-        temperature [R] (0 = greedy drafts). Draft probabilities are those of the
-        corrected logits at the request's temperature (what rejection sampling needs), over
-        the target's vocabulary; drafts are target ids.
+        temperature [R] (0 = greedy drafts); ``noise``: the sampled drafts' race noise (see
+        ``draw``). Draft probabilities are those of the corrected logits at the request's
+        temperature (what rejection sampling needs), over the target's vocabulary; drafts
+        are target ids.
         """
         K = self.cfg.block_size
         R = anchor.shape[0]
@@ -145,7 +148,7 @@ class BlockDrafter(TargetTiedDrafter):
                           torch.ones(R, K, K, dtype=torch.bool, device=anchor.device)], dim=-1)
         hidden = self.block_hidden(blk, pos, ctx_kv, mask)  # [R, K, d]
         base = project(self.draft_head, hidden).float()  # [R, K, N]
-        return sample_sequential(self, base, hidden, anchor, temperature, generator)
+        return sample_sequential(self, base, hidden, anchor, temperature, noise)
 
 
 @dataclass
@@ -164,40 +167,61 @@ def draft_distribution(logits: torch.Tensor, temperature: torch.Tensor) -> torch
     return torch.where(t > 0, probs, onehot)
 
 
-def draw(probs: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def noise_ids(model) -> torch.Tensor | None:
+    """The target ids of the drafter's output columns (None: the whole vocabulary, in order):
+    the race noise of a draft is the noise of the target token it stands for."""
+    return model.draft_ids if model.cfg.draft_vocab_size else None
+
+
+def draw(probs: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None, k: int = 0,
+         ids: torch.Tensor | None = None) -> torch.Tensor:
     """One draft token per row of ``draft_distribution(logits, temperature)``: the argmax for greedy
-    rows (their distribution is one-hot), a multinomial draw for the sampled rows only (a draw
-    over the vocabulary costs as much as the Markov bias on CPU, wasted on a one-hot)."""
+    rows (their distribution is one-hot), a draw for the sampled rows only (a draw over the
+    vocabulary costs as much as the Markov bias on CPU, wasted on a one-hot).
+
+    With ``noise`` the draw is the exponential race of ``plugins/coupled.py`` at draft offset
+    ``k`` (columns at target ids ``ids``): an exact sample, and under the coupled verify rule
+    the very noise the target's own choice at that position uses. Without it, a multinomial
+    draw from torch's global generator (tools that only need a sample)."""
     sampled = temperature > 0
-    if bool(sampled.all()):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if not bool(sampled.any()):
+        return probs.argmax(-1)
+    rows = None if bool(sampled.all()) else sampled.nonzero().squeeze(-1)
+    sub = probs if rows is None else probs[rows]
+    if noise is not None:
+        picked = noise.draw(sub, k, rows, ids)
+    else:
+        picked = torch.multinomial(sub, 1).squeeze(-1)
+    if rows is None:
+        return picked
     x = probs.argmax(-1)  # greedy rows are one-hot at the logits' argmax
-    if bool(sampled.any()):
-        x[sampled] = torch.multinomial(probs[sampled], 1, generator=generator).squeeze(-1)
+    x[rows] = picked
     return x
 
 
-def pick(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None,
-         all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft per row -> (tokens [R], their distributions [R, V] or None for an all-greedy batch,
-    which skips a softmax and a one-hot over the vocabulary per position)."""
+def pick(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None,
+         all_greedy: bool, k: int = 0, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row (``draw`` at offset ``k``) -> (tokens [R], their distributions [R, V] or
+    None for an all-greedy batch, which skips a softmax and a one-hot over the vocabulary per position)."""
     if all_greedy:
         return logits.argmax(-1), None
     p = draft_distribution(logits, temperature)
-    return draw(p, temperature, generator), p
+    return draw(p, temperature, noise, k, ids), p
 
 
 def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
-                      temperature: torch.Tensor, generator: torch.Generator | None) -> Proposal:
+                      temperature: torch.Tensor, noise: RaceNoise | None) -> Proposal:
     """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}])).
 
-    ``base`` [R, K, N] are the parallel logits over the draft vocabulary; the proposal is
-    mapped to target ids and target-vocabulary probabilities."""
+    ``base`` [R, K, N] are the parallel logits over the draft vocabulary; draft k draws with
+    ``noise`` at offset k (``draw``); the proposal is mapped to target ids and
+    target-vocabulary probabilities."""
     R, K, V = base.shape
     all_greedy = not bool((temperature > 0).any())
     tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
     probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=base.device)
     confs = [] if model.confidence is not None else None
+    ids = noise_ids(model)
     prev = model.to_draft(anchor)
     state = None
     for k in range(K):
@@ -211,7 +235,7 @@ def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Ten
             emb = hidden.new_zeros(R, 0)
         if confs is not None:
             confs.append(model.confidence(hidden[:, k], emb))
-        x, p = pick(logits, temperature, generator, all_greedy)
+        x, p = pick(logits, temperature, noise, all_greedy, k, ids)
         tokens[:, k] = x
         if probs is not None:
             probs[:, k] = p
