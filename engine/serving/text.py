@@ -66,9 +66,11 @@ class Postprocessor:
         self.skip_special_tokens = skip_special_tokens
         self.num_tokens = len(tokenizer)
 
-    def token_ids(self, inputs: T.Tensors, name: str) -> list[int]:
+    def token_ids(self, inputs: T.Tensors, name: str, required: bool = False) -> list[int]:
         row = T.one_row(inputs, name)
         if row is None:
+            if required:  # Triton 2.51 checks the number of inputs, not their names
+                raise RequestValidationError(f"{name} is required")
             return []
         if not np.issubdtype(row.dtype, np.integer):
             raise RequestValidationError(f"{name}: expected integer token ids, got {row.dtype}")
@@ -80,7 +82,7 @@ class Postprocessor:
         return ids
 
     def __call__(self, inputs: T.Tensors) -> dict[str, np.ndarray]:
-        new_ids = self.token_ids(inputs, T.OUTPUT_IDS)
+        new_ids = self.token_ids(inputs, T.OUTPUT_IDS, required=True)
         prefix_ids = self.token_ids(inputs, T.PREFIX_IDS)
         final = T.scalar(inputs, T.IS_FINAL, "bool", default=True)
         text = decode_chunk(self.tokenizer, prefix_ids, new_ids, final, self.skip_special_tokens)

@@ -57,17 +57,12 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    engine = os.environ.get("DSPARK_E2E_ENGINE", "real")
-    if os.environ.get("DSPARK_E2E_URL"):
-        yield Server(os.environ["DSPARK_E2E_URL"], os.environ.get("DSPARK_E2E_METRICS", "localhost:8002"), engine)
-        return
+def start_command(state: Path, engine: str, *extra: str) -> tuple[list[str], dict[str, str], tuple[int, int, int]]:
+    """scripts/start_server.sh on free ports (http, grpc, metrics) with the engine of ``engine``."""
     http, grpc, metrics = _free_ports(3)
-    state = tmp_path_factory.mktemp("triton")
     env = dict(os.environ, DSPARK_NUM_THREADS=os.environ.get("DSPARK_NUM_THREADS", "1"), PYTHON=sys.executable)
     args = [str(ROOT / "scripts" / "start_server.sh"), "--http-port", str(http), "--grpc-port", str(grpc),
-            "--metrics-port", str(metrics), "--state-dir", str(state), "--timeout", "420"]
+            "--metrics-port", str(metrics), "--state-dir", str(state), "--timeout", "420", *extra]
     if engine == "hf":
         env["DSPARK_ENGINE_FACTORY"] = f"{HERE / 'hf_engine.py'}:load_engine"
         env["DSPARK_TOKENIZER_FACTORY"] = f"{HERE / 'hf_engine.py'}:load_tokenizer"
@@ -78,15 +73,35 @@ def server(tmp_path_factory) -> Server:
 
             engine_dir = str(build_untrained_engine_dir())
         args += ["--engine-dir", engine_dir]
+    return args, env, (http, grpc, metrics)
+
+
+def start(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     started = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True)
     if started.returncode != 0:
         pytest.fail(f"start_server.sh failed:\n{started.stdout[-3000:]}\n{started.stderr[-5000:]}")
+    return started
+
+
+def stop(state: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "scripts" / "stop_server.sh"), "--state-dir", str(state)],
+                          cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    engine = os.environ.get("DSPARK_E2E_ENGINE", "real")
+    if os.environ.get("DSPARK_E2E_URL"):
+        yield Server(os.environ["DSPARK_E2E_URL"], os.environ.get("DSPARK_E2E_METRICS", "localhost:8002"), engine)
+        return
+    state = tmp_path_factory.mktemp("triton")
+    args, env, (_, grpc, metrics) = start_command(state, engine)
+    start(args, env)
     log = state / "server.log"
     try:
         yield Server(f"localhost:{grpc}", f"localhost:{metrics}", engine, log)
     finally:
-        subprocess.run([str(ROOT / "scripts" / "stop_server.sh"), "--state-dir", str(state)],
-                       cwd=ROOT, capture_output=True, text=True)
+        stop(state)
     # every request must have completed: a stuck one (e.g. an ensemble request whose LLM
     # step ended with an error mid-stream) shows up as in-flight at shutdown
     stuck = [line for line in log.read_text().splitlines() if "in-flight inferences\"" in line and " has " in line]

@@ -1,5 +1,6 @@
 """Bad inputs, cancellation and disconnects: each ends in a clear error or a clean stop,
-and the server keeps serving afterwards."""
+and the server keeps serving afterwards. The bad inputs are the fault catalogue
+(dspark.engine.serving.faults.BAD_INPUTS) that scripts/fault_suite.py also runs."""
 from __future__ import annotations
 
 import subprocess
@@ -7,51 +8,12 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
+from dspark.engine.serving import faults as F
 from dspark.engine.serving.client import StreamClient, make_inputs
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-
-def tensor(name, arr, dtype):
-    import tritonclient.grpc as grpcclient
-
-    t = grpcclient.InferInput(name, list(arr.shape), dtype)
-    t.set_data_from_numpy(arr)
-    return t
-
-
-def text(s):
-    return tensor("text_input", np.array([[s.encode()]], dtype=object), "BYTES")
-
-
-def max_tokens(n, dtype=np.int32, name="INT32"):
-    return tensor("max_tokens", np.array([[n]], dtype=dtype), name)
-
-
-BAD = {
-    "empty prompt": ([text(""), max_tokens(4)], "text_input is empty"),
-    "prompt longer than the context": ([text("word " * 3000), max_tokens(4)], "context"),
-    "negative max_tokens": ([text("hi"), max_tokens(-3)], "positive"),
-    "zero max_tokens": ([text("hi"), max_tokens(0)], "positive"),
-    "huge max_tokens": ([text("hi"), max_tokens(2**31 - 1)], "exceeds the engine context"),
-    "float max_tokens": ([text("hi"), max_tokens(4.0, np.float32, "FP32")], "data-type is 'FP32'"),
-    "two strings in one row": ([tensor("text_input", np.array([[b"a", b"b"]], dtype=object), "BYTES"),
-                                max_tokens(4)], "unexpected shape"),
-    "batch of two": ([tensor("text_input", np.array([[b"a"], [b"b"]], dtype=object), "BYTES"),
-                      tensor("max_tokens", np.array([[4], [4]], np.int32), "INT32")], "batch size 2"),
-    "invalid utf-8": ([tensor("text_input", np.array([[b"\xff\xfe"]], dtype=object), "BYTES"), max_tokens(4)],
-                      "UTF-8"),
-    "unknown input": ([text("hi"), max_tokens(4), tensor("beam_width", np.array([[2]], np.int32), "INT32")],
-                      "unexpected inference input 'beam_width'"),
-    "top_p zero": ([text("hi"), max_tokens(4), tensor("top_p", np.array([[0.0]], np.float32), "FP32")], "top_p"),
-    "negative temperature": ([text("hi"), max_tokens(4),
-                              tensor("temperature", np.array([[-1.0]], np.float32), "FP32")], "temperature"),
-    "bad_words": ([text("hi"), max_tokens(4), tensor("bad_words", np.array([[b"x"]], dtype=object), "BYTES")],
-                  "bad_words is not supported"),
-}
 
 
 def assert_still_serves(server):
@@ -60,20 +22,12 @@ def assert_still_serves(server):
     assert res.error is None and res.tokens >= 1
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_gets_a_clear_error(server, case):
-    inputs, message = BAD[case]
-    with StreamClient(server.url) as c:
-        res = c.submit(inputs)
-        assert res.done.wait(60)
-    assert res.error is not None and message in res.error, res.error
-
-
-def test_unknown_request_parameter_gets_a_clear_error(server):
-    with StreamClient(server.url) as c:
-        res = c.submit([text("hi"), max_tokens(4)], parameters={"temprature": 0.5})
-        assert res.done.wait(60)
-    assert res.error is not None and "unknown request parameter(s) temprature" in res.error
+@pytest.mark.parametrize("probe", F.BAD_INPUTS, ids=lambda p: f"{p.kind}: {p.name}")
+def test_bad_input_gets_a_clear_one_line_error(server, probe):
+    ans = F.send_once(server.url, probe.model, probe.inputs(), probe.parameters, probe.empty_final, timeout=60)
+    assert not ans.timed_out, "no answer: the request hangs"
+    assert ans.error is not None, f"served instead of refused ({ans.responses} responses)"
+    assert probe.expect in ans.error and F.is_one_line(ans.error), ans.error
 
 
 def test_server_still_serves_after_bad_inputs(server):
@@ -111,9 +65,7 @@ def test_cancelling_a_stream_stops_the_engine_request(server):
 def test_cancelling_a_direct_llm_model_stream_stops_the_engine_request(server):
     before = server.metric("dspark_requests_total", model="dspark_llm_target_only", reason="cancelled")
     c = StreamClient(server.url)
-    inputs = [tensor("input_ids", np.array([[1, 504, 3058, 282]], np.int32), "INT32"),
-              tensor("request_output_len", np.array([[400]], np.int32), "INT32"),
-              tensor("streaming", np.array([[True]]), "BOOL")]
+    inputs = [F.i32("input_ids", 1, 504, 3058, 282), F.i32("request_output_len", 400), F.flag("streaming", True)]
     res = c.submit(inputs, model="dspark_llm_target_only")
     deadline = time.time() + 120
     while res.tokens == 0 and not res.done.is_set() and time.time() < deadline:
@@ -124,7 +76,8 @@ def test_cancelling_a_direct_llm_model_stream_stops_the_engine_request(server):
 
 CLIENT = textwrap.dedent("""
     import sys, time
-    from dspark.engine.serving.client import StreamClient, make_inputs
+    from dspark.engine.serving import faults as F
+from dspark.engine.serving.client import StreamClient, make_inputs
     c = StreamClient(sys.argv[1])
     res = c.submit(make_inputs("Write a long poem about the sea.", 400, True))
     while len(res.chunks) < 2:
@@ -148,7 +101,7 @@ def test_client_disconnect_mid_stream_stops_the_engine_request(server):
 
 def _stop_by_request_id(server, request_id):
     with StreamClient(server.url, "dspark_llm") as c:
-        res = c.submit([tensor("stop", np.array([[True]]), "BOOL")], request_id=request_id)
+        res = c.submit([F.flag("stop", True)], request_id=request_id)
         assert res.done.wait(60) and res.error is None
 
 

@@ -164,6 +164,8 @@ def test_postprocessing_refuses_ids_outside_the_tokenizer_in_one_line(ids, messa
 
 def test_postprocessing_refuses_bad_prefix_ids_and_float_ids():
     post = Postprocessor(CharTokenizer())
+    with pytest.raises(RequestValidationError, match="output_ids is required"):
+        post({"is_final": one(True, bool)})
     with pytest.raises(RequestValidationError, match="prefix_ids: token id -1"):
         post({"output_ids": np.array([[97]], np.int32), "prefix_ids": np.array([[-1]], np.int32)})
     with pytest.raises(RequestValidationError, match="integer token ids"):
