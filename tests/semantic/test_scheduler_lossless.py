@@ -9,7 +9,9 @@ Two settings, both run through ``plugins.reference.verify``:
   depends on the previous draft token (like the Markov head's), many small batches with
   different SPS tables, requests joining and leaving; the generated 3-grams are compared
   with the exact target distribution by a chi-square test. A negative control shows the
-  same machinery rejects the retrospective search.
+  same machinery rejects the retrospective search. The toy runs under both verify rules:
+  rejection sampling (``reference.verify``) and the coupled rule (``plugins/coupled.py``),
+  whose output must moreover be the same token for token under every policy.
 
 Fixed seeds make every test deterministic; the thresholds are for p-values, so a correct
 scheduler fails only if the seed happens to land in the 0.1% tail (it does not).
@@ -21,6 +23,7 @@ import torch
 from scipy import stats
 
 from dspark.engine.scheduler import Algorithm1Scheduler, AsyncScheduler, VerifyLengthPolicy
+from dspark.plugins.coupled import race_sample, verify_coupled
 from dspark.plugins.reference import schedule_prefix, verify
 
 A, B = 0, 1
@@ -123,10 +126,23 @@ class _Retrospective(VerifyLengthPolicy):
         return schedule_prefix(confidence, self.sps, cap, early_stop=False)
 
 
-def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed: int) -> torch.Tensor:
+class _VerifyNothing(VerifyLengthPolicy):
+    """Every verify length 0: target-only decoding."""
+
+    def __init__(self, sps):
+        pass
+
+    def _lens(self, confidence, cap, request_ids):
+        return torch.zeros(confidence.shape[0], dtype=torch.long)
+
+
+def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed: int,
+                   rule: str = "rejection") -> torch.Tensor:
     """Generate L tokens for n_batches * R requests; -> tokens [n_batches * R, L].
 
-    Odd requests join one step late; a request leaves its batch once it has L tokens.
+    Odd requests join one step late; a request leaves its batch once it has L tokens. Under
+    ``rule="coupled"`` request i drafts and verifies with the race noise of its seed at each
+    token's position (the engine's coupled rule).
     """
     p_t, p_d, conf_table = _toy_models()
     tables = [_sps(kind, R) for kind in tables]
@@ -150,8 +166,12 @@ def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed:
         prev = torch.empty(m, K + 1, dtype=torch.long)  # token before draft j (j = K: before bonus)
         prev[:, 0] = last[active]
         drafts = torch.empty(m, K, dtype=torch.long)
+        req_seed = active + seed * 10_000_019
         for j in range(K):
-            drafts[:, j] = torch.multinomial(p_d[prev[:, j]], 1, generator=g).squeeze(1)
+            if rule == "coupled":
+                drafts[:, j] = race_sample(p_d[prev[:, j]], req_seed, n_gen[active] + j)
+            else:
+                drafts[:, j] = torch.multinomial(p_d[prev[:, j]], 1, generator=g).squeeze(1)
             prev[:, j + 1] = drafts[:, j]
         conf = conf_table[prev[:, :K]]  # [m, K]: c_j depends on x_{j-1}
         max_lens = (L - n_gen[active]).clamp(max=K)  # known before drafting: lossless
@@ -162,15 +182,18 @@ def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed:
                                   torch.split(conf, sizes.tolist()), torch.split(max_lens, sizes.tolist())):
             lens_parts.append(policies[b](c, ml, [f"req{i}" for i in rows.tolist()]))
         lens = torch.cat(lens_parts)
-        res = verify(
-            draft_tokens=drafts,
-            draft_probs=p_d[prev[:, :K]],
-            target_logits=p_t[prev].log(),
-            verify_lens=lens,
-            temperature=torch.ones(m),
-            seed=active + seed * 10_000_019,
-            offset=torch.full((m,), step, dtype=torch.long),
-        )
+        if rule == "coupled":
+            res = verify_coupled(drafts, p_t[prev].log(), lens, torch.ones(m), seed=req_seed, position=n_gen[active])
+        else:
+            res = verify(
+                draft_tokens=drafts,
+                draft_probs=p_d[prev[:, :K]],
+                target_logits=p_t[prev].log(),
+                verify_lens=lens,
+                temperature=torch.ones(m),
+                seed=req_seed,
+                offset=torch.full((m,), step, dtype=torch.long),
+            )
         cols = n_gen[active].unsqueeze(1) + torch.arange(K + 1)
         keep = torch.arange(K + 1).unsqueeze(0) < res.num_emitted.unsqueeze(1)
         out[active.unsqueeze(1).expand_as(cols)[keep], cols[keep]] = res.output_tokens[keep]
@@ -216,14 +239,24 @@ def toy_target():
     return {"first": _target_trigram(p_t, 0), "last": _target_trigram(p_t, L - 3)}
 
 
+@pytest.mark.parametrize("rule", ["rejection", "coupled"])
 @pytest.mark.parametrize("policy", ["algorithm1", "async"])
-def test_markov_toy_scheduled_output_matches_target_trigram_distribution(policy, toy_target):
+def test_markov_toy_scheduled_output_matches_target_trigram_distribution(policy, rule, toy_target):
     make = Algorithm1Scheduler if policy == "algorithm1" else AsyncScheduler
-    tokens = run_markov_toy(make, n_batches=400, R=8, tables=ALL_TABLES, seed=11)
+    tokens = run_markov_toy(make, n_batches=400, R=8, tables=ALL_TABLES, seed=11, rule=rule)
     assert bool((tokens >= 0).all()), "every request must have generated L tokens"
     for window, start in (("first", 0), ("last", L - 3)):
         p = _chi2_pvalue(_trigram_cells(tokens[:, start:start + 3]), toy_target[window])
-        assert p > 1e-3, f"{policy}: {window} 3 tokens deviate from the target bigram chain (chi2 p={p:.2g})"
+        assert p > 1e-3, f"{policy}/{rule}: {window} 3 tokens deviate from the target bigram chain (chi2 p={p:.2g})"
+
+
+def test_markov_toy_coupled_output_is_target_only_decoding_under_every_policy():
+    """The coupled rule emits the target's own seeded choices: the retrospective search, which
+    biases rejection sampling, and the scheduled policies all give target-only's tokens."""
+    alone = run_markov_toy(_VerifyNothing, n_batches=50, R=8, tables=ALL_TABLES, seed=11, rule="coupled")
+    for make in (Algorithm1Scheduler, AsyncScheduler, _Retrospective):
+        tokens = run_markov_toy(make, n_batches=50, R=8, tables=ALL_TABLES, seed=11, rule="coupled")
+        assert torch.equal(tokens, alone), f"{make.__name__}: coupled output differs from target-only decoding"
 
 
 def test_markov_toy_chi_square_detects_retrospective_search_bias():
