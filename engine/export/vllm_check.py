@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["vllm_missing_reason", "VllmDraft", "load_vllm_draft", "BlockResult", "vllm_dspark_block",
-           "vllm_eagle3_chain", "kit_dspark_block", "kit_eagle3_chain", "compare"]
+           "vllm_eagle3_chain", "lm_head_noise_floor", "kit_dspark_block", "kit_eagle3_chain", "compare"]
 
 
 def vllm_missing_reason() -> str | None:
@@ -161,6 +161,7 @@ class BlockResult:
     bias: torch.Tensor | None  # [R, K, n] Markov bias, None without a Markov head
     confidence: torch.Tensor | None  # [R, K] acceptance probabilities, None without a confidence head
     drafts: torch.Tensor  # [R, K] greedy drafts, target ids
+    hidden: torch.Tensor | None = None  # [R, K, d] the LM head's inputs (vLLM side), for the fp32 noise floor
 
 
 @torch.no_grad()
@@ -204,7 +205,8 @@ def vllm_dspark_block(d: VllmDraft, aux: torch.Tensor, anchor: torch.Tensor, blo
         logits.append(li), biases.append(bias), drafts.append(x)
         prev = x
     return BlockResult(logits=torch.stack(logits, 1), bias=torch.stack(biases, 1) if has_markov else None,
-                       confidence=torch.stack(confs, 1) if has_conf else None, drafts=torch.stack(drafts, 1))
+                       confidence=torch.stack(confs, 1) if has_conf else None, drafts=torch.stack(drafts, 1),
+                       hidden=hidden)
 
 
 @torch.no_grad()
@@ -224,18 +226,31 @@ def vllm_eagle3_chain(d: VllmDraft, aux: torch.Tensor, tokens: torch.Tensor, blo
     normed, pre = normed.view(R, T, -1)[:, -1], pre.view(R, T, -1)[:, -1]
     n = int(m.config.draft_vocab_size)
     targets = torch.arange(n) if m.draft_id_to_target_id is None else torch.arange(n) + m.draft_id_to_target_id
-    logits, drafts = [], []
+    logits, drafts, hiddens = [], [], []
     for k in range(block_size):
         full = m.compute_logits(normed).float()  # [R, V], -inf outside the draft vocabulary (its d2t)
         x = full.argmax(-1)
-        logits.append(full[:, targets]), drafts.append(x)
+        logits.append(full[:, targets]), drafts.append(x), hiddens.append(normed)
         if k == block_size - 1:
             break
         p = torch.full((R, 1), T + k)
         for att in d.attn:
             att.positions = p
         normed, pre = m(x, p.reshape(-1), pre)
-    return BlockResult(logits=torch.stack(logits, 1), bias=None, confidence=None, drafts=torch.stack(drafts, 1))
+    return BlockResult(logits=torch.stack(logits, 1), bias=None, confidence=None, drafts=torch.stack(drafts, 1),
+                       hidden=torch.stack(hiddens, 1))
+
+
+@torch.no_grad()
+def lm_head_noise_floor(d: VllmDraft, hidden: torch.Tensor) -> float:
+    """Max abs error of vLLM's own fp32 draft LM head against float64 on ``hidden`` [..., d]: how
+    far any fp32 implementation's logits may sit from exact ones on these inputs."""
+    m = d.model
+    n = int(m.config.draft_vocab_size)
+    h = hidden.reshape(-1, hidden.shape[-1]).float()
+    got = m.logits_processor(m.lm_head, h)[:, :n].double()
+    exact = h.double() @ m.lm_head.weight[:n].double().T
+    return float((got - exact).abs().max())
 
 
 @torch.no_grad()
