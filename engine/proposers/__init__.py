@@ -9,6 +9,7 @@
 ``stats.py`` holds the one ``accept_len`` definition and the typed ``EngineStats``.
 """
 from .base import DraftBatch, Proposer, ProposerCost
+from .neural import NeuralProposer
 from .null import NullProposer
 from .stats import EngineStats, ProposerStats, accept_len, accept_len_of_rounds
 from .suffix import SCOPES, SuffixConfig, SuffixProposer
@@ -18,10 +19,3 @@ __all__ = ["DraftBatch", "Proposer", "ProposerCost", "NullProposer", "NeuralProp
            "SuffixConfig", "SuffixIndex", "SCOPES", "EngineStats", "ProposerStats", "accept_len",
            "accept_len_of_rounds"]
 
-
-def __getattr__(name: str):
-    # the neural adapter imports the drafter models (training); load it only when asked for
-    if name == "NeuralProposer":
-        from .neural import NeuralProposer
-        return NeuralProposer
-    raise AttributeError(name)
