@@ -576,7 +576,6 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     directory and optionally ``sps.json`` / ``sts.json``. With ``engine_dir=None`` only
     ``mode="target_only"`` is possible (there is no drafter to load).
     """
-    import json
 
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.config import TargetProfile, load_target_profile
@@ -592,7 +591,8 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         meta_path = root / "engine.json"
         if not meta_path.is_file():
             raise FileNotFoundError(f"{root}: no engine.json (build it with scripts/build_engine.sh)")
-        meta = json.loads(meta_path.read_text())
+        from .export.manifest import read_engine_json
+        meta = read_engine_json(root)  # a clear one-line error for a file that is not JSON
         profile = TargetProfile(**meta["target_profile"])
     target = load_target(profile, device=device)
     if engine_dir is not None and meta.get("format") == "dspark-engine":  # built by `dspark build`

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 __all__ = [
     "MANIFEST_FORMAT", "MANIFEST_VERSION", "KNOWN_MANIFEST_VERSIONS", "IDENTITY_KEYS",
     "EngineDirError", "ManifestVersionError", "IntegrityError", "TargetMismatchError",
-    "sha256_file", "file_entry", "hash_files", "read_manifest", "validate_engine_dir",
+    "sha256_file", "file_entry", "hash_files", "read_engine_json", "read_manifest", "validate_engine_dir",
 ]
 
 MANIFEST_FORMAT = "dspark-engine"
@@ -89,8 +89,9 @@ def hash_files(root: Path, exclude: Iterable[str] = ("engine.json",)) -> dict[st
     return out
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Parse ``<engine_dir>/engine.json`` and check its format and version."""
+def read_engine_json(path: Path) -> dict[str, Any]:
+    """Parse ``<engine_dir>/engine.json`` (any format, also from before manifests) or raise
+    ManifestVersionError naming the file."""
     meta_path = Path(path) / "engine.json"
     if not meta_path.is_file():
         raise ManifestVersionError(f"{path}: no engine.json (build the engine with scripts/build_engine.sh)")
@@ -100,6 +101,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ManifestVersionError(f"{meta_path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise ManifestVersionError(f"{meta_path}: expected a JSON object")
+    return meta
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Parse ``<engine_dir>/engine.json`` and check its format and version."""
+    meta_path = Path(path) / "engine.json"
+    meta = read_engine_json(path)
     if meta.get("format") != MANIFEST_FORMAT:
         raise ManifestVersionError(f"{meta_path}: format {meta.get('format')!r} is not {MANIFEST_FORMAT!r} "
                                    "(an engine directory from before manifests, or not an engine)")

@@ -337,3 +337,10 @@ def test_a_damaged_hash_cache_is_rebuilt(tmp_path, hash_cache):
     (tmp_path / "cache" / weights.CACHE_NAME).write_text("{not json")
     assert weights.cached_sha256(f) == mf.sha256_file(f)
     assert json.loads((tmp_path / "cache" / weights.CACHE_NAME).read_text())
+
+
+def test_engine_json_that_is_not_json_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "engine.json").write_text("{not json")
+    with pytest.raises(mf.ManifestVersionError, match=r"engine.json: not valid JSON") as info:
+        mf.read_engine_json(tmp_path)
+    assert "\n" not in str(info.value)
