@@ -23,10 +23,11 @@ from .runtime import EngineConfig, SpecEngine
 
 
 def collect_rounds(target, drafter, prompts: list[str], temperature: float, max_new_tokens: int, seed: int,
-                   desc: str = "eval") -> list:
-    """Decode every prompt at batch 1 with full blocks; return the per-round records."""
+                   desc: str = "eval", sampling_rule: str = EngineConfig.sampling_rule) -> list:
+    """Decode every prompt at batch 1 with full blocks, sampled requests verified by
+    ``sampling_rule`` (the engine's default: what is served); return the per-round records."""
     eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=1, seed=seed,
-                                                   record_rounds=True))
+                                                   record_rounds=True, sampling_rule=sampling_rule))
     stops = list(target.profile.stop_token_ids)
     for i, p in enumerate(tqdm(prompts, desc=desc, unit="prompt", leave=False)):
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i, stop_token_ids=stops)

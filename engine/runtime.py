@@ -21,8 +21,9 @@ Sampled requests are verified by one of two rules (``EngineConfig.sampling_rule`
 docs/runtime.md "Seeded sampling"): the coupled rule of ``plugins/coupled.py``, whose output
 is a function of (seed, prompt, sampling parameters) alone, the same with any drafter or
 none, in any batch, whatever the gate and the scheduler decided; or rejection sampling
-(``plugins.reference.verify`` / the CUDA op). A request that carries a seed always gets the
-coupled rule, since a seed promises reproducible tokens; the setting decides for the others.
+(``plugins.reference.verify`` / the CUDA op), whose tokens also depend on the drafts and on
+how many of them were verified. ``auto`` gives the coupled rule to requests that carry a seed
+(a seed promises reproducible tokens) and rejection sampling to the others.
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ class EngineConfig:
     # prefills over several steps, oldest first, and the running ones decode in between
     prefill_tokens: int = 1024
     seed: int = 0  # seeds the seeds of requests that come without one
-    # the verify rule of sampled requests without a seed: coupled | rejection (requests with a
-    # seed always use coupled; docs/runtime.md "Seeded sampling")
+    # the verify rule of sampled requests: coupled (all) | rejection (all; a seed then does not
+    # make tokens reproducible across batches) | auto (coupled with a seed, rejection without);
+    # docs/runtime.md "Seeded sampling"
     sampling_rule: str = "coupled"
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     attention: str = "auto"  # auto (varlen kernel for fp32 on CPU) | varlen | sdpa: engine/target_runner.py
@@ -127,7 +129,8 @@ class SpecEngine:
         if self.cfg.mode not in ("spec", "target_only"):
             raise ValueError(f"mode must be spec or target_only, got {self.cfg.mode!r}")
         if self.cfg.sampling_rule not in SAMPLING_RULES:
-            raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.cfg.sampling_rule!r}")
+            raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, "
+                             f"got {self.cfg.sampling_rule!r}")
         if self.cfg.mode == "spec" and drafter is None:
             raise ValueError("speculative mode needs a drafter checkpoint (build one with scripts/build_engine.sh)")
         self.target = target
@@ -191,7 +194,7 @@ class SpecEngine:
             raise RequestValidationError(f"prompt token ids must lie in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         req = _Request(request_id, list(prompt_ids), params, on_output, seed=seed, t_submit=time.perf_counter(),
-                       coupled=params.seed is not None or self.cfg.sampling_rule == "coupled")
+                       coupled=_is_coupled(self.cfg.sampling_rule, params.seed is not None))
         with self._wake:
             self._queue.append(req)
             self._wake.notify()
@@ -475,16 +478,18 @@ class SpecEngine:
             return t if sel is None else t[sel.to(t.device)]
 
         def run_coupled(sel: torch.Tensor | None):
-            return coupled.verify_coupled(rows_of(drafts, sel).to(dev), rows_of(target_logits, sel), rows_of(lens, sel).to(dev),
-                                          rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel), top_p=rows_of(top_p, sel),
-                                          seed=rows_of(seed, sel), position=rows_of(position, sel))
+            return coupled.verify_coupled(
+                rows_of(drafts, sel).to(dev), rows_of(target_logits, sel), rows_of(lens, sel).to(dev),
+                rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel), top_p=rows_of(top_p, sel),
+                seed=rows_of(seed, sel), position=rows_of(position, sel))
 
         def run_rejection(sel: torch.Tensor | None):
             draft_probs = _verify_probs(prop, rows, R, L, temps, target_logits)
-            return self.verify(rows_of(drafts, sel).to(dev), None if draft_probs is None else rows_of(draft_probs, sel),
-                               rows_of(target_logits, sel), rows_of(lens, sel).to(dev), rows_of(temps, sel).to(dev),
-                               top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev), seed=rows_of(seed, sel),
-                               offset=rows_of(offset, sel))
+            return self.verify(
+                rows_of(drafts, sel).to(dev), None if draft_probs is None else rows_of(draft_probs, sel),
+                rows_of(target_logits, sel), rows_of(lens, sel).to(dev), rows_of(temps, sel).to(dev),
+                top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev), seed=rows_of(seed, sel),
+                offset=rows_of(offset, sel))
         if n_rej == 0:
             return run_coupled(None)
         if n_rej == R:
@@ -617,7 +622,12 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)
 
 
-SAMPLING_RULES = ("coupled", "rejection")
+SAMPLING_RULES = ("coupled", "rejection", "auto")
+
+
+def _is_coupled(rule: str, seeded: bool) -> bool:
+    """Whether a request is verified by the coupled rule under ``EngineConfig.sampling_rule``."""
+    return rule == "coupled" or (rule == "auto" and seeded)
 
 
 def _next_position(r: _Request) -> int:

@@ -119,7 +119,9 @@ def race_sample(probs: torch.Tensor, key: torch.Tensor, pos: torch.Tensor,
         return out
     keys = _row_keys(key.to(probs.device).long(), pos.to(probs.device).long())
     idm = _id_mix(ids, N, probs.device)
-    step = max(1, CHUNK_ELEMENTS // max(N, 1))
+    # a few MiB at a time on the CPU (cache-sized); far more per launch on a GPU
+    chunk = CHUNK_ELEMENTS if probs.device.type == "cpu" else CHUNK_ELEMENTS * 64
+    step = max(1, chunk // max(N, 1))
     for s in range(0, n, step):
         e = _noise_from(keys[s:s + step], idm)
         out[s:s + step] = torch.div(probs[s:s + step].float(), e, out=e).argmax(-1)

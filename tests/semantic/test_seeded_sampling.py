@@ -120,8 +120,8 @@ def _choices(logits, temps, seeds, pos):
     R, J, _ = logits.shape
     out = torch.empty(R, J, dtype=torch.long)
     for j in range(J):
-        res = coupled.verify_coupled(torch.zeros(R, 0, dtype=torch.long), logits[:, j:j + 1], torch.zeros(R, dtype=torch.long),
-                                     temps, seed=seeds, position=pos + j)
+        res = coupled.verify_coupled(torch.zeros(R, 0, dtype=torch.long), logits[:, j:j + 1],
+                                     torch.zeros(R, dtype=torch.long), temps, seed=seeds, position=pos + j)
         out[:, j] = res.output_tokens[:, 0]
     return out
 
@@ -271,7 +271,8 @@ def _in_batch(engine, copies: list[SamplingParams]) -> dict[str, list[int]]:
         kind = i % 3
         params = SamplingParams(max_tokens=int(torch.randint(4, 24, (1,), generator=g)),
                                 temperature=0.0 if kind == 0 else float(torch.rand(1, generator=g)) * 3 + 0.3,
-                                top_k=int(torch.randint(0, 20, (1,), generator=g)), seed=None if kind == 2 else 5000 + i)
+                                top_k=int(torch.randint(0, 20, (1,), generator=g)),
+                                seed=None if kind == 2 else 5000 + i)
         jobs.append((int(torch.randint(0, 6, (1,), generator=g)), f"other{i}",
                      torch.randint(6, 64, (plen,), generator=g).tolist(), params))
     jobs += [(3 * c, f"copy{c}", PROMPT, p) for c, p in enumerate(copies)]
@@ -327,11 +328,11 @@ def test_a_seeded_request_gives_one_text_alone_streamed_and_in_a_32_way_batch_wi
             "the gate must both draft and skip in this run"
 
 
-def test_with_the_rejection_setting_unseeded_requests_use_rejection_sampling_and_seeded_ones_still_reproduce():
+def test_with_the_auto_setting_unseeded_requests_use_rejection_sampling_and_seeded_ones_still_reproduce():
     target = make_tiny_target()
     want = _alone(SpecEngine(target, None, EngineConfig(mode="target_only")), SEEDED[0])
     engine = SpecEngine(target, _drafter(target, "dspark"), EngineConfig(mode="spec", max_batch=32,
-                                                                         sampling_rule="rejection"))
+                                                                         sampling_rule="auto"))
     rejection_rows = []
     inner = engine.verify
 
