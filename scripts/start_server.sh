@@ -33,6 +33,9 @@
 # models themselves exit when their server dies (a watchdog in each model's initialize).
 set -euo pipefail
 
+# whether a pid runs; a zombie (killed, not reaped yet) does not
+alive() { kill -0 "$1" 2>/dev/null && ! grep -qsE '\) [ZX] ' "/proc/$1/stat"; }
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
@@ -80,7 +83,7 @@ SHM_PREFIX="dspark_$(printf '%s' "$STATE_DIR" | cksum | cut -d' ' -f1)_"
 echo "$SHM_PREFIX" > "$STATE_DIR/shm_prefix"
 echo "$REPO" > "$STATE_DIR/model_repository"   # for stop_server.sh's reclaim
 
-if [[ -f "$PID_FILE" ]] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; then
+if [[ -f "$PID_FILE" ]] && alive "$(cat "$PID_FILE")"; then
   echo "start_server.sh: a server is already running (pid $(cat "$PID_FILE"), $PID_FILE); scripts/stop_server.sh --state-dir $STATE_DIR" >&2
   exit 1
 fi
@@ -183,7 +186,7 @@ import sys, urllib.request
 urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v2/health/ready", timeout=2).read()
 EOF
 do
-  if ! kill -0 "$PID" 2>/dev/null; then
+  if ! alive "$PID"; then
     echo "start_server.sh: tritonserver exited during startup; errors in $LOG_FILE:" >&2
     grep -E '^E[0-9]|failed to load|UNAVAILABLE' "$LOG_FILE" | cut -c1-600 | head -n 20 >&2 || true
     echo "--- last lines:" >&2

@@ -9,6 +9,9 @@
 # shared-memory regions (<state-dir>/shm_prefix; dspark.engine.serving.stubs).
 set -euo pipefail
 
+# whether a pid runs; a zombie (killed, not reaped yet) does not
+alive() { kill -0 "$1" 2>/dev/null && ! grep -qsE '\) [ZX] ' "/proc/$1/stat"; }
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON="$(command -v python3)"; fi
@@ -41,7 +44,7 @@ if [[ ! -f "$PID_FILE" ]]; then
   exit 0
 fi
 PID="$(cat "$PID_FILE")"
-if ! kill -0 "$PID" 2>/dev/null; then
+if ! alive "$PID"; then
   echo "stop_server.sh: pid $PID is not running"
   rm -f "$PID_FILE"
   reclaim
@@ -49,10 +52,10 @@ if ! kill -0 "$PID" 2>/dev/null; then
 fi
 kill -TERM "$PID" 2>/dev/null || true
 for ((i = 0; i < TIMEOUT * 10; i++)); do
-  kill -0 "$PID" 2>/dev/null || break
+  alive "$PID" || break
   sleep 0.1
 done
-if kill -0 "$PID" 2>/dev/null; then
+if alive "$PID"; then
   echo "stop_server.sh: pid $PID still running after ${TIMEOUT}s; killing its process group" >&2
   kill -KILL -- "-$PID" 2>/dev/null || kill -KILL "$PID" 2>/dev/null || true
 fi
