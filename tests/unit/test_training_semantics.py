@@ -95,15 +95,17 @@ def test_accept_len_counts_the_bonus_token_and_rate_at_k_is_conditional():
 
 
 def test_draft_draw_takes_the_argmax_for_greedy_rows_and_samples_the_others():
+    from dspark.plugins.coupled import RaceNoise
     from dspark.training.models.block_drafter import draft_distribution, draw
     logits = torch.tensor([[0.0, 1.0, 0.5, -1.0]]).repeat(3, 1)
     temperature = torch.tensor([0.0, 1.0, 0.0])
-    gen = torch.Generator().manual_seed(0)
     probs = draft_distribution(logits, temperature)
     n = 20000
     counts = torch.zeros(4)
-    for _ in range(n // 100):
-        xs = torch.stack([draw(probs, temperature, gen) for _ in range(100)])  # [100, 3]
+    for i in range(n // 100):
+        # a fresh (seed, position) per draw: the race noise of plugins/coupled.py
+        xs = torch.stack([draw(probs, temperature, RaceNoise(torch.full((3,), i), torch.full((3,), j)))
+                          for j in range(100)])  # [100, 3]
         assert (xs[:, 0] == 1).all() and (xs[:, 2] == 1).all()  # greedy rows: argmax, no draw
         counts += torch.bincount(xs[:, 1], minlength=4).float()
     expected = torch.softmax(logits[1], -1) * n
