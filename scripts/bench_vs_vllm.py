@@ -278,7 +278,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--hf-rounds", type=int, default=1, help="rounds of hf_generate (the slowest peer), the first ones")
+    ap.add_argument("--few-rounds", default="hf_generate",
+                    help="systems that run only in the first --few round(s) (peers outside the headline ratio)")
+    ap.add_argument("--few", type=int, default=1)
     ap.add_argument("--prompts-1", type=int, default=3, help="requests at the one-at-a-time level")
     ap.add_argument("--new-tokens-1", type=int, default=256)
     ap.add_argument("--concurrency", default="16,64")
@@ -314,13 +316,14 @@ def main() -> None:
         systems.remove("ours_spec")
     print("systems:", ", ".join(systems), *(["\n" + n for n in notes]), flush=True)
     raw: dict[str, list[dict]] = {s: [] for s in systems}
+    few = set(x for x in args.few_rounds.split(",") if x)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out_dir) / f".{args.name}.tmp.json"
     passthrough = [a for a in sys.argv[1:]]
     for rnd in range(args.rounds):
         k = rnd % len(systems)
         for system in systems[k:] + systems[:k]:
-            if system == "hf_generate" and rnd >= args.hf_rounds:
+            if system in few and rnd >= args.few:
                 continue
             t = time.perf_counter()
             subprocess.run([sys.executable, __file__, *passthrough, "--worker", system, "--out", str(tmp)], check=True)
@@ -328,13 +331,13 @@ def main() -> None:
             raw[system].append(res)
             tps = ", ".join(f"b{lv['batch']} {lv['tokens_per_s']:.1f}" for lv in res["levels"])
             print(f"round {rnd + 1} {system}: {tps} tok/s ({time.perf_counter() - t:.0f} s)", flush=True)
+            # the report so far after every run: a run cut short still leaves its finished rounds
+            write(summarise({k: v for k, v in raw.items() if v}, args, notes, rnd + 1, few), Path(args.out_dir), args.name)
     tmp.unlink(missing_ok=True)
-    report = summarise(raw, args, notes)
-    write(report, Path(args.out_dir), args.name)
     print((Path(args.out_dir) / f"{args.name}.md").read_text())
 
 
-def summarise(raw: dict[str, list[dict]], args, notes: list[str]) -> dict:
+def summarise(raw: dict[str, list[dict]], args, notes: list[str], rounds_started: int, few: set[str]) -> dict:
     import numpy as np
     import torch
 
@@ -368,7 +371,8 @@ def summarise(raw: dict[str, list[dict]], args, notes: list[str]) -> dict:
     ours = raw.get("ours_target_only")
     threads = ours[0]["info"]["threads"] if ours else torch.get_num_threads()
     return {"host": cpu_model(), "threads": threads, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "rounds": args.rounds, "hf_rounds": min(args.hf_rounds, args.rounds), "notes": notes, "systems_info": {s: r[0]["info"] for s, r in raw.items()},
+            "rounds": args.rounds, "rounds_started": rounds_started,
+            "rounds_per_system": {s: len(r) for s, r in raw.items()}, "notes": notes, "systems_info": {s: r[0]["info"] for s, r in raw.items()},
             "results": rows}
 
 
@@ -388,7 +392,8 @@ def write(report: dict, out_dir: Path, name: str) -> None:
         lines.append(f"| {r['system']} | {r['batch']} | {r['requests']} x {r['new_tokens']} | {f(r['tokens_per_s'])} | "
                      f"{f(r['x_vllm_target_only'], '.2f')} | {f(r['p50_ms_per_token'])} | {f(r['p99_ms_per_token'])} | "
                      f"{f(r['ttft_p50_ms'], '.0f')} | {same} | {thr} |")
-    lines += ["", f"{report['rounds']} rounds (hf_generate: {report['hf_rounds']}), systems in rotating order, each in its own process; tokens/s is the "
+    per = ", ".join(f"{s} {n}" for s, n in report["rounds_per_system"].items())
+    lines += ["", f"Rounds run: {per} (of {report['rounds']} planned); systems in rotating order, each in its own process; tokens/s is the "
               "median round's, `x vLLM target-only` the median of same-round ratios; the latency columns come from "
               "the median round. `= vLLM fp32`: share of requests (all rounds) whose greedy tokens equal vLLM "
               "fp32 target-only's."]
