@@ -76,8 +76,7 @@ def test_cancelling_a_direct_llm_model_stream_stops_the_engine_request(server):
 
 CLIENT = textwrap.dedent("""
     import sys, time
-    from dspark.engine.serving import faults as F
-from dspark.engine.serving.client import StreamClient, make_inputs
+    from dspark.engine.serving.client import StreamClient, make_inputs
     c = StreamClient(sys.argv[1])
     res = c.submit(make_inputs("Write a long poem about the sea.", 400, True))
     while len(res.chunks) < 2:
