@@ -133,3 +133,18 @@ def test_reclaim_kills_orphans_of_the_repo_and_unlinks_only_unmapped_regions_of_
     assert (stubs.SHM_DIR / foreign).exists(), "another prefix's region was touched"
     assert "killed 1 orphaned stub" in done.summary()
     assert stubs.reclaim(fake.repo, fake.prefix).summary() == "nothing left by a crashed server"
+
+
+def test_a_stub_whose_server_died_before_initialize_exits_at_once(tmp_path, monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    name = f"dspark_test_{uuid.uuid4().hex}"
+    (stubs.SHM_DIR / name).write_bytes(b"\0")
+    monkeypatch.setattr(stubs, "_watching", False)
+    exits = []
+    try:
+        argv = [f"/x/{stubs.STUB_NAME}", "/r/m/1/model.py", name, "1", "1", str(gone.pid), "/x"]
+        assert stubs.watch_server(argv=argv, on_death=lambda: exits.append(1))
+        assert exits == [1] and not (stubs.SHM_DIR / name).exists()
+    finally:
+        (stubs.SHM_DIR / name).unlink(missing_ok=True)
