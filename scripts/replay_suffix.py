@@ -271,6 +271,21 @@ def write_markdown(report: dict, path: Path) -> None:
     for r in report["prompt_lookup_3"]:
         lines.append(f"| {r['task']} | {r['accepted_per_round']:.3f} | {r['tau']:.3f} | {r['verified_per_round']:.2f} | "
                      f"{r['speedup_without_host_time']:.2f} |")
+    lines += ["", "Shared index at the end of each run (every output in the ring, none evicted: "
+              "`shared_max_tokens` is larger): " + "; ".join(
+                  f"{k}: {v['shared_index']['outputs']} outputs, {v['shared_index']['tokens']} tokens, "
+                  f"{v['shared_index']['nodes']} nodes, {v['shared_index']['bytes'] / 2**20:.1f} MiB"
+                  for k, v in report["calibration"].items() if "shared_index" in v) + ".",
+              "", "STS calibration of the confidences (temperature per draft position, fitted on one half of the "
+              "prompts, ECE of the cumulative confidence on the other half, mean of the two folds):", "",
+              "| run | position | rounds | ECE before | ECE after |", "|---|---|---|---|---|"]
+    for k, v in report["calibration"].items():
+        folds = [v["held_out_ece"][f] for f in sorted(v["held_out_ece"])]
+        for pos in range(min(3, len(folds[0]))):
+            rows = [f[pos] for f in folds]
+            lines.append(f"| {k} | {pos + 1} | {sum(r['n'] for r in rows)} | "
+                         f"{sum(r['ece_before'] for r in rows) / len(rows):.3f} | "
+                         f"{sum(r['ece_after'] for r in rows) / len(rows):.3f} |")
     if report.get("sweep"):
         lines += ["", "Settings sweep (overall, shared index, full verification):", "",
                   "| max_depth | min_match | K | tau | x target-only | x (no host time) | host ms/round |",
@@ -294,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--generate-only", action="store_true")
     ap.add_argument("--sps", default=str(ROOT / "docs" / "benchmarks" / "sps_smollm2_cpu.json"))
     ap.add_argument("--caps", default="3,5,7")
-    ap.add_argument("--max-depth", type=int, default=24)
+    ap.add_argument("--max-depth", type=int, default=16)
     ap.add_argument("--min-match", type=int, default=2)
     ap.add_argument("--sweep-depths", default="8,16,24,32")
     ap.add_argument("--sweep-matches", default="1,2,3")
@@ -304,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.generate_only:
         print(f"{len(data['rows'])} outputs, {data['seconds']} s")
         return
-    report = {"command": "python scripts/replay_suffix.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"command": " ".join(["python scripts/replay_suffix.py"] + (argv if argv is not None else sys.argv[1:])),
               "generation": {k: data[k] for k in ("target", "max_tokens", "batch", "prompts_per_task", "seconds")},
               **run_replay(data, Path(args.sps), [int(c) for c in args.caps.split(",")], args.max_depth, args.min_match)}
     if args.sweep_depths:

@@ -51,13 +51,14 @@ SCOPES = ("shared", "request")
 @dataclass(frozen=True)
 class SuffixConfig:
     max_drafts: int = 7  # K: most drafts per round
-    max_depth: int = 24  # D: longest context an index matches (tokens); memory is at most D nodes per token
+    max_depth: int = 16  # D: longest context an index matches (tokens); memory is at most D nodes per token
     min_match: int = 2  # shortest matched context that may draft
     scope: str = "shared"  # shared | request (module docstring)
     shared_max_outputs: int = 256  # the shared ring keeps at most this many outputs ...
     shared_max_tokens: int = 65536  # ... and at most this many tokens
-    # host seconds per drafting row, for the drafting gate; scripts/replay_suffix.py measures it
-    host_seconds_per_row: float = 1e-4
+    # host seconds per drafting row (propose + commit), for the drafting gate: the order of what
+    # scripts/replay_suffix.py measures (docs/benchmarks/suffix_replay.md, host ms/round)
+    host_seconds_per_row: float = 3e-4
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
