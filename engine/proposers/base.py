@@ -51,9 +51,12 @@ class DraftBatch:
     probs: torch.Tensor | None = None  # [R, K, V] distributions the drafts were drawn from; None: point mass
     conf_logits: torch.Tensor | None = None  # [R, K] raw confidence logits (what STS is fitted on), or None
     source: str = ""  # the proposer's name (stats by proposer)
+    row_sources: list[str] | None = None  # per row, when rows come from different proposers (``combine``)
 
     def __post_init__(self) -> None:
         R, K = self.tokens.shape
+        if self.row_sources is not None and len(self.row_sources) != R:
+            raise ValueError(f"DraftBatch: row_sources needs {R} entries, got {len(self.row_sources)}")
         if self.lens.shape != (R,) or self.confidence.shape != (R, K):
             raise ValueError(f"DraftBatch: tokens [R, K] = {tuple(self.tokens.shape)} needs lens [R] and "
                              f"confidence [R, K], got {tuple(self.lens.shape)} and {tuple(self.confidence.shape)}")
@@ -73,6 +76,10 @@ class DraftBatch:
     def point_mass(self) -> bool:
         return self.probs is None
 
+    def source_of(self, row: int) -> str:
+        """The proposer that drafted ``row`` (for stats by proposer)."""
+        return self.row_sources[row] if self.row_sources is not None else self.source
+
     def verify_probs(self, vocab: int, length: int | None = None) -> torch.Tensor:
         """Draft distributions ``[R, length, vocab]`` for ``verify``: ``probs`` or a one-hot at the drafts."""
         L = self.width if length is None else length
@@ -84,6 +91,51 @@ class DraftBatch:
         """[R] expected accepted drafts if every available draft is verified: sum_j prod_{i<=j} c_i."""
         keep = torch.arange(self.width).unsqueeze(0) < self.lens.cpu().unsqueeze(1)
         return (torch.cumprod(self.confidence.cpu().double(), dim=1) * keep).sum(1)
+
+    @classmethod
+    def combine(cls, batches: Sequence["DraftBatch"], choice: torch.Tensor, vocab: int) -> "DraftBatch":
+        """Row r taken from ``batches[choice[r]]`` (all batches cover the same rows), padded to the
+        widest; the result has per-row sources, and ``probs`` (one-hot for point-mass rows) unless
+        every chosen row is a point mass.
+
+        Lossless only if ``choice`` was fixed without looking at the drafts it picks between (e.g.
+        from deterministic proposals and committed history, before a sampling drafter ran); a
+        choice that reads a sampled draft makes that draft's law differ from its ``probs``."""
+        if not batches:
+            raise ValueError("combine needs at least one DraftBatch")
+        R = batches[0].rows
+        if any(b.rows != R for b in batches) or choice.shape != (R,):
+            raise ValueError(f"combine: every batch and choice must cover the same {R} rows")
+        choice = choice.long().cpu()
+        K = max(b.width for b in batches)
+        tokens = torch.zeros(R, K, dtype=torch.long)
+        confidence = torch.zeros(R, K)
+        lens = torch.zeros(R, dtype=torch.long)
+        logits = torch.zeros(R, K) if any(b.conf_logits is not None for b in batches) else None
+        sampled = any(b.probs is not None and bool((choice == i).any()) for i, b in enumerate(batches))
+        probs = None
+        if sampled:
+            device = next(b.probs.device for i, b in enumerate(batches) if b.probs is not None and bool((choice == i).any()))
+            probs = torch.zeros(R, K, vocab, device=device)
+        for i, b in enumerate(batches):
+            rows = (choice == i).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            w = b.width
+            tokens[rows, :w] = b.tokens[rows].cpu()
+            confidence[rows, :w] = b.confidence[rows].cpu().float()
+            lens[rows] = b.lens[rows].cpu()
+            if logits is not None and b.conf_logits is not None:
+                logits[rows, :w] = b.conf_logits[rows].cpu().float()
+            if probs is not None:
+                if b.probs is not None:
+                    chosen = b.probs[rows.to(b.probs.device)].float()
+                else:
+                    chosen = torch.nn.functional.one_hot(b.tokens[rows].clamp(0, vocab - 1), vocab).float()
+                probs[rows.to(probs.device), :w] = chosen.to(probs.device)
+        sources = [batches[int(c)].source_of(r) for r, c in enumerate(choice)]
+        return cls(tokens=tokens, lens=lens, confidence=confidence, probs=probs, conf_logits=logits,
+                   source="+".join(dict.fromkeys(b.source for b in batches)), row_sources=sources)
 
     @classmethod
     def empty(cls, rows: int, width: int = 0, source: str = "") -> "DraftBatch":

@@ -231,3 +231,33 @@ def test_draft_batch_checks_shapes_and_counts_expected_accepts():
     assert b.expected_accepts().tolist() == pytest.approx([0.5 + 0.25 + 0.125, 0.9])
     with pytest.raises(ValueError):
         DraftBatch(tokens=torch.zeros(2, 3, dtype=torch.long), lens=torch.tensor([3]), confidence=torch.zeros(2, 3))
+
+
+def test_combine_takes_each_row_from_its_chosen_proposer():
+    V = 6
+    suffix = DraftBatch(tokens=torch.tensor([[1, 2, 3], [4, 5, 0]]), lens=torch.tensor([3, 2]),
+                        confidence=torch.full((2, 3), 0.9), conf_logits=torch.ones(2, 3), source="suffix")
+    probs = torch.softmax(torch.randn(2, 2, V), -1)
+    neural = DraftBatch(tokens=torch.tensor([[0, 1], [2, 3]]), lens=torch.tensor([2, 2]),
+                        confidence=torch.full((2, 2), 0.5), probs=probs, source="dspark")
+    both = DraftBatch.combine([suffix, neural], torch.tensor([0, 1]), V)
+    assert both.tokens.tolist() == [[1, 2, 3], [2, 3, 0]] and both.lens.tolist() == [3, 2]
+    assert [both.source_of(r) for r in range(2)] == ["suffix", "dspark"]
+    assert torch.equal(both.probs[0], torch.eye(V)[[1, 2, 3]]), "a point-mass row becomes one-hot"
+    assert torch.allclose(both.probs[1, :2], probs[1]) and both.probs[1, 2].sum() == 0
+    only_suffix = DraftBatch.combine([suffix, neural], torch.tensor([0, 0]), V)
+    assert only_suffix.point_mass and only_suffix.row_sources == ["suffix", "suffix"]
+
+
+def test_registry_builds_by_name_and_lists_the_known_ones():
+    from dspark.engine.proposers import UnknownProposerError, build_proposer, build_proposers
+
+    assert isinstance(build_proposer("none", max_slots=4), NullProposer)
+    sp = build_proposer("suffix", max_slots=4, suffix=SuffixConfig(max_drafts=3, scope="request"))
+    assert isinstance(sp, SuffixProposer) and sp.max_drafts == 3
+    with pytest.raises(UnknownProposerError, match="known: none, neural, suffix"):
+        build_proposer("ngram", max_slots=4)
+    with pytest.raises(ValueError, match="drafter checkpoint"):
+        build_proposer("neural", max_slots=4)
+    with pytest.raises(ValueError, match="distinct"):
+        build_proposers(["suffix", "suffix"], max_slots=4)
