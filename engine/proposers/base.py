@@ -13,8 +13,10 @@ proposer must follow ``move``). The engine drives it through one cycle per reque
   never gets features. Feature row ``i`` belongs to sequence position ``i``; the token
   that follows it may arrive in a later ``commit`` (the prompt's last position waits for
   the first sampled token).
-- ``propose(slots, temperature, generator)``: up to ``max_drafts`` drafts per slot that
-  continue its committed sequence, as a ``DraftBatch``.
+- ``propose(slots, temperature, noise)``: up to ``max_drafts`` drafts per slot that
+  continue its committed sequence, as a ``DraftBatch``; ``noise`` is the randomness of
+  sampled drafts, row by row (``dspark.plugins.coupled.RaceNoise``, built by the engine from
+  each request's seed and next position; None for greedy rows and deterministic proposers).
 - ``settle(slots)``: the end of an engine phase, after its tokens went out: deferred work
   that must not delay them (the neural proposer bounds its context backlog here).
 - ``release(slot)``: the request left (finished, stopped or cancelled); before any ``move``.
@@ -28,7 +30,9 @@ each draft was drawn from; ``None`` means a point mass at the drafted token (a
 deterministic proposer, or a greedy draw), which ``plugins.reference.verify`` takes as a
 one-hot ``p_d``: it accepts draft x with probability ``min(1, p_t(x) / 1) = p_t(x)`` and on
 rejection samples ``norm(max(p_t - onehot(x), 0))``, i.e. ``p_t`` with x removed, so the
-emitted token follows ``p_t`` exactly.
+emitted token follows ``p_t`` exactly. Under the coupled rule (``plugins/coupled.py``) a
+draft is accepted iff it equals the target's seeded choice, which a point mass at x also
+matches with probability ``p_t(x)``: the same acceptance, and the output is the target's.
 """
 from __future__ import annotations
 
@@ -187,9 +191,9 @@ class Proposer(ABC):
         """``tokens`` appended to the slot's committed sequence; ``features`` [n, F] of the positions just run."""
 
     @abstractmethod
-    def propose(self, slots: Sequence[int], temperature: torch.Tensor,
-                generator: torch.Generator | None = None) -> DraftBatch:
-        """Drafts continuing each slot's committed sequence; ``temperature`` [R] (0 = greedy)."""
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor, noise=None) -> DraftBatch:
+        """Drafts continuing each slot's committed sequence; ``temperature`` [R] (0 = greedy);
+        ``noise``: the sampled drafts' per-row randomness (a ``RaceNoise``) or None."""
 
     @abstractmethod
     def move(self, src: int, dst: int) -> None:

@@ -113,8 +113,7 @@ class NeuralProposer(Proposer):
             self.runner.append(rows)
 
     # -- drafting ----------------------------------------------------------------------------------
-    def propose(self, slots: Sequence[int], temperature: torch.Tensor,
-                generator: torch.Generator | None = None) -> DraftBatch:
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor, noise=None) -> DraftBatch:
         """One block per slot. tokens / lens / confidence / conf_logits come back on the CPU, probs
         stay on the drafter's device."""
         slots = list(slots)
@@ -122,7 +121,7 @@ class NeuralProposer(Proposer):
             return DraftBatch.empty(0, self.max_drafts, source=self.name)
         self._flush(slots)
         anchors = torch.tensor([self._slots[s].last_token for s in slots], device=self.device)
-        prop = self.runner.propose(slots, anchors, temperature.to(self.device), generator)
+        prop = self.runner.propose(slots, anchors, temperature.to(self.device), noise)
         tokens = prop.tokens.cpu()
         R, K = tokens.shape
         conf_logits = None

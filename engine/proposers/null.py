@@ -28,8 +28,7 @@ class NullProposer(Proposer):
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
         pass
 
-    def propose(self, slots: Sequence[int], temperature: torch.Tensor,
-                generator: torch.Generator | None = None) -> DraftBatch:
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor, noise=None) -> DraftBatch:
         return DraftBatch.empty(len(slots), 0, source=self.name)
 
     def move(self, src: int, dst: int) -> None:

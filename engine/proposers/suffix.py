@@ -195,9 +195,8 @@ class SuffixProposer(Proposer):
                 best = other
         return best
 
-    def propose(self, slots: Sequence[int], temperature: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> DraftBatch:
-        """Point-mass drafts for ``slots`` (``temperature`` and ``generator`` are not needed)."""
+    def propose(self, slots: Sequence[int], temperature: torch.Tensor | None = None, noise=None) -> DraftBatch:
+        """Point-mass drafts for ``slots`` (``temperature`` and ``noise`` are not needed)."""
         R, K = len(slots), self.max_drafts
         tokens = torch.zeros(R, K, dtype=torch.long)
         logits = torch.zeros(R, K)

@@ -2,7 +2,6 @@
 feeds the drafter exactly what the engine does, one accept_len, typed stats, costs."""
 from __future__ import annotations
 
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -261,3 +260,21 @@ def test_registry_builds_by_name_and_lists_the_known_ones():
         build_proposer("neural", max_slots=4)
     with pytest.raises(ValueError, match="distinct"):
         build_proposers(["suffix", "suffix"], max_slots=4)
+
+
+def test_point_mass_drafts_under_the_coupled_rule_emit_the_target_only_tokens():
+    """The coupled rule accepts a draft iff it equals the target's seeded choice: suffix drafts
+    change how many tokens a round emits, never which."""
+    from dspark.plugins.coupled import verify_coupled
+
+    R, K, V = 300, 3, 7
+    torch.manual_seed(0)
+    logits = torch.randn(R, K + 1, V)
+    seed, pos, temp = torch.arange(R), torch.full((R,), 11), torch.ones(R)
+    alone = verify_coupled(torch.zeros(R, 0, dtype=torch.long), logits[:, :1], torch.zeros(R, dtype=torch.long), temp,
+                           seed=seed, position=pos)
+    drafts = torch.randint(0, V, (R, K))
+    drafts[:, 0] = alone.output_tokens[:, 0].where(torch.rand(R) < 0.5, drafts[:, 0])  # half the rows guess right
+    res = verify_coupled(drafts, logits, torch.full((R,), K), temp, seed=seed, position=pos)
+    assert torch.equal(res.output_tokens[:, 0], alone.output_tokens[:, 0])
+    assert bool((res.num_accepted > 0).any()) and bool((res.num_accepted == 0).any())

@@ -90,7 +90,6 @@ def test_index_counts_equal_brute_force_through_inserts_and_removals(seqs, D, da
 def test_ties_go_to_the_continuation_seen_last(seq, D):
     ix = SuffixIndex(D)
     ix.add_sequence(seq)
-    occ, _ = brute_counts([seq], D)
     for w, v in all_nodes(ix).items():
         if len(w) >= D or ix.best[v] == -1:
             continue
