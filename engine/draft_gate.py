@@ -40,6 +40,7 @@ run repeats exactly.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from .sps import SpsTable
 
@@ -51,8 +52,10 @@ class DraftGate:
 
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 1024,
                  horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
-                 probe_budget: float = 0.01) -> None:
-        if not table.has_draft_cost:
+                 probe_budget: float = 0.01, draft_time: Callable[[int], float] | None = None) -> None:
+        """``draft_time(rows)``: seconds of the gated proposer's pass (``Proposer.cost().seconds``);
+        default the table's profiled drafter pass."""
+        if draft_time is None and not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
         if not 1 <= min_probe <= max_probe:
@@ -66,6 +69,7 @@ class DraftGate:
         if not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.table = table
+        self.draft_time = draft_time if draft_time is not None else table.draft_time
         self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
@@ -103,7 +107,7 @@ class DraftGate:
         if self.accepted is None:
             return float("inf")
         t_plain = self._step_time(requests)
-        t_drafted = self.table.draft_time(requests) + self._step_time(requests + round(requests * self.verified))
+        t_drafted = self.draft_time(requests) + self._step_time(requests + round(requests * self.verified))
         return (1.0 + self.accepted) * t_plain / t_drafted
 
     def probe_cost(self, requests: int, rows: int) -> float:
@@ -111,7 +115,7 @@ class DraftGate:
         drafter pass plus the verify tokens it adds (its accepted tokens are not counted)."""
         t_plain = self._step_time(requests)
         verified = round(rows * (self.verified or 0.0))
-        return (self.table.draft_time(rows) + self._step_time(requests + verified) - t_plain) / t_plain
+        return (self.draft_time(rows) + self._step_time(requests + verified) - t_plain) / t_plain
 
     def probe_cap(self, requests: int, rows: int) -> int:
         """The longest probe interval needed to keep probing within ``probe_budget`` of the run."""

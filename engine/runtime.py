@@ -1,21 +1,27 @@
-"""The speculative decoding engine: in-flight batching over a target and a drafter.
+"""The speculative decoding engine: in-flight batching over a target and its proposers.
 
-One ``step()``:
-1. admit queued requests into free slots (requests join between steps);
+One ``step()`` reads admit -> prefill -> propose -> schedule -> verify -> commit -> emit:
+1. admit queued requests into free slots (requests join between steps); every proposer
+   (``engine/proposers/``) gets the prompt;
 2. prefill: requests still reading their prompt run one chunk each (at most
    ``prefill_chunk`` tokens, and ``prefill_tokens`` over all of them, oldest first), so a
    long prompt or a burst of arrivals never stalls the running batch for more than one
-   chunk; a request whose prompt is done samples its first token from the target;
-3. decode: unless the drafting gate (``draft_gate.py``) predicts that a plain step is
-   faster on this hardware, the drafter proposes a block for every decoding request, the verify-length
-   policy picks how many drafts each request verifies (``l_r``), the target runs the
-   ragged batch ``[anchor, d_1..d_l]`` once, and the verify rule accepts a prefix and
-   emits a recovered or bonus token (lossless for greedy and sampled requests);
-4. accepted tokens are committed (rejected K/V are trimmed by length), streamed to each
-   request's callback, and finished requests leave (their slots are compacted).
+   chunk; a request whose prompt is done gets its first token through the verify rule
+   with zero drafts;
+3. propose: each decoding request gets one proposal (``EngineConfig.proposers``): the suffix
+   proposer's, the neural drafter's (unless the drafting gate, ``draft_gate.py``, predicts
+   that a plain step is faster, or the request's suffix proposal already wins), or none;
+4. schedule: the verify-length policy picks how many drafts each request verifies (``l_r``);
+5. verify: the target runs the ragged batch ``[anchor, d_1..d_l]`` once and the verify rule
+   accepts a prefix and emits a recovered or bonus token (lossless for greedy and sampled
+   requests);
+6. commit: accepted tokens enter the target's cache (rejected K/V are trimmed by length),
+   the proposers and ``EngineStats``;
+7. emit: tokens stream to each request's callback; finished requests leave (their slots
+   are compacted).
 
-``mode="target_only"`` is the same engine with every verify length 0: plain decoding,
-the baseline for every speculative comparison.
+``mode="target_only"`` is the same engine with the null proposer: every verify length 0,
+plain decoding, the baseline for every speculative comparison.
 
 Sampled requests are verified by one of two rules (``EngineConfig.sampling_rule``,
 docs/runtime.md "Seeded sampling"): the coupled rule of ``plugins/coupled.py``, whose output
@@ -42,7 +48,9 @@ from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
 from .draft_gate import DraftGate
-from .draft_runner import make_draft_runner
+from .proposers import (DraftBatch, EngineStats, NeuralProposer, Proposer, SuffixConfig, SuffixProposer,
+                        build_proposer)
+from .proposers.registry import PROPOSERS
 from .scheduler import make_scheduler
 from .sps import SpsTable
 from .static_target import with_static_steps
@@ -63,7 +71,11 @@ def _verify_fn():
 
 @dataclass
 class EngineConfig:
-    mode: str = "spec"  # spec | target_only
+    mode: str = "spec"  # spec | target_only (the null proposer, whatever ``proposers`` says)
+    # drafting methods, "+"-joined: neural (the engine dir's drafter) | suffix | neural+suffix (hybrid)
+    proposers: str = "neural"
+    suffix: SuffixConfig = field(default_factory=lambda: SuffixConfig(max_drafts=3))  # the suffix proposer's settings
+    suffix_sts: tuple[float, ...] | None = None  # STS temperatures of the suffix confidences (None: raw)
     scheduler: str = "fixed"  # fixed | threshold | algorithm1 | async
     threshold: float = 0.3  # for the static threshold policy
     max_batch: int = 64
@@ -94,11 +106,6 @@ class _Request:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     anchor: int | None = None
-    pending_aux: torch.Tensor | None = None  # features of committed positions awaiting their next token
-    # (features, next tokens) of committed positions not yet in the drafter's cache: it reads
-    # them only when it drafts, so steps the gate skips (and prefill) leave them here
-    ctx_backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    backlog_tokens: int = 0
     steps: int = 0
     last_drafted: int = -1  # engine round of this request's latest draft (gate probes pick the oldest)
     drafted: int = 0
@@ -119,7 +126,10 @@ class RoundRecord:
 
 
 class SpecEngine:
-    """Batched speculative decoding (implements ``engine.api.GenerationEngine``)."""
+    """Batched speculative decoding (implements ``engine.api.GenerationEngine``).
+
+    ``drafter``: the trained drafter behind the ``neural`` proposer (None without one);
+    ``EngineConfig.proposers`` names the drafting methods (``engine/proposers/``)."""
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, sps=None, sts_temperatures=None):
         self.cfg = config or EngineConfig()
@@ -131,19 +141,27 @@ class SpecEngine:
         if self.cfg.sampling_rule not in SAMPLING_RULES:
             raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, "
                              f"got {self.cfg.sampling_rule!r}")
-        if self.cfg.mode == "spec" and drafter is None:
+        names = parse_proposers(self.cfg.proposers) if self.cfg.mode == "spec" else ["none"]
+        if "neural" in names and drafter is None:
             raise ValueError("speculative mode needs a drafter checkpoint (build one with scripts/build_engine.sh)")
         self.target = target
         self.max_context = self.cfg.max_context
         self.threads = threads.configure(self.cfg.threads)
         self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context,
                                    attention=self.cfg.attention)
-        log.info("engine: %s, attention %s", threads.describe(), "varlen" if self.runner.varlen else "sdpa")
-        self.drafter = drafter if self.cfg.mode == "spec" else None
-        self.draft_runner = make_draft_runner(drafter, self.cfg.max_batch) if self.drafter is not None else None
-        self.K = drafter.cfg.block_size if self.drafter is not None else 0
+        log.info("engine: %s, attention %s, proposers %s", threads.describe(),
+                 "varlen" if self.runner.varlen else "sdpa", "+".join(names))
+        self.drafter = drafter if "neural" in names else None
+        self.proposers: list[Proposer] = [
+            build_proposer(n, max_slots=self.cfg.max_batch, drafter=self.drafter, sps=sps,
+                           sts_temperatures=sts_temperatures if n == "neural" else self.cfg.suffix_sts,
+                           suffix=self.cfg.suffix) for n in names]
+        self.neural: NeuralProposer | None = next((p for p in self.proposers if isinstance(p, NeuralProposer)), None)
+        self.suffix: SuffixProposer | None = next((p for p in self.proposers if isinstance(p, SuffixProposer)), None)
+        self.K = max(p.max_drafts for p in self.proposers)
+        self.need_features = any(p.needs_features for p in self.proposers)
         self._use_static_steps()
-        has_conf = self.drafter is not None and getattr(self.drafter, "confidence", None) is not None
+        has_conf = self.suffix is not None or (self.neural is not None and self.neural.has_confidence)
         sched = self.cfg.scheduler if has_conf else "fixed"
         if sched in ("algorithm1", "async") and sps is None:
             raise ValueError(f"scheduler {sched!r} needs an SPS table (dspark profile)")
@@ -152,7 +170,6 @@ class SpecEngine:
             kwargs = {"threshold": self.cfg.threshold}
         self.policy = make_scheduler(sched, **kwargs)
         self.gate = self._make_gate(sps, sched)
-        self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
         self.verify = _verify_fn()
         self.device = self.runner.device
         self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
@@ -163,9 +180,7 @@ class SpecEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.rounds: list[RoundRecord] = []
-        self.stats = {"steps": 0, "rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
-                      "accepted_per_position": [0] * max(self.K, 1), "verify_len_hist": [0] * (self.K + 1),
-                      "batch_size_sum": 0, "skipped_draft_steps": 0}
+        self.stats = EngineStats()
 
     def _use_static_steps(self) -> None:
         """Decode steps at fixed shapes (``static_target.py``): CUDA graphs on a GPU."""
@@ -173,13 +188,35 @@ class SpecEngine:
                                         self.cfg.prefill_chunk)
 
     def _make_gate(self, sps, sched: str) -> DraftGate | None:
-        """The cost-aware drafting gate, with the hardware-aware schedulers and a drafter-cost table."""
-        if not (self.cfg.adaptive_drafting and self.drafter is not None and sched in ("algorithm1", "async")):
+        """The cost-aware gate over the neural pass, with the hardware-aware schedulers and a known drafter cost."""
+        if not (self.cfg.adaptive_drafting and self.neural is not None and sched in ("algorithm1", "async")):
             return None
-        if not (isinstance(sps, SpsTable) and sps.has_draft_cost):
+        cost = self.neural.cost()
+        if not (isinstance(sps, SpsTable) and cost.known):
             log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
             return None
-        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1))
+        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds)
+
+    # -- the neural drafter's runner and backlog bound (tests and tools reach the drafter here) ------
+    @property
+    def draft_runner(self):
+        """The neural proposer's draft runner (``engine/draft_runner.py``), or None."""
+        return self.neural.runner if self.neural is not None else None
+
+    @draft_runner.setter
+    def draft_runner(self, runner) -> None:
+        if self.neural is None:
+            raise ValueError("this engine has no neural proposer")
+        self.neural.runner = runner
+
+    @property
+    def MAX_BACKLOG_TOKENS(self) -> int:  # noqa: N802 (the neural proposer's bound, by its old name)
+        return self.neural.max_backlog_tokens if self.neural is not None else 0
+
+    @MAX_BACKLOG_TOKENS.setter
+    def MAX_BACKLOG_TOKENS(self, n: int) -> None:  # noqa: N802
+        if self.neural is not None:
+            self.neural.max_backlog_tokens = n
 
     # -- public API -------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback) -> None:
@@ -252,6 +289,7 @@ class SpecEngine:
                 self._reap()
 
     def step(self) -> None:
+        """admit -> prefill -> propose -> schedule -> verify -> commit -> emit (one engine step)."""
         self._reap()
         self._admit()
         prefilling = [r for r in self._active if r.anchor is None and not r.finished]
@@ -259,8 +297,12 @@ class SpecEngine:
             self._prefill(prefilling)
         decoding = [r for r in self._active if r.anchor is not None and not r.finished]
         if decoding:
-            self._decode(decoding)
-        self.stats["steps"] += 1
+            temps = torch.tensor([r.params.temperature for r in decoding])
+            batch = self._propose(decoding, temps)
+            lens = self._schedule(decoding, batch)
+            res, out, L = self._verify_round(decoding, batch, lens, temps)
+            self._commit(decoding, batch, lens, res, out, L)
+        self.stats.steps += 1
         self._reap()
 
     # -- phases ---------------------------------------------------------------------------------------
@@ -273,8 +315,8 @@ class SpecEngine:
                     continue
                 r.slot = len(self._active)
                 self.runner.set_length(r.slot, 0)
-                if self.draft_runner is not None:
-                    self.draft_runner.reset(r.slot)
+                for p in self.proposers:
+                    p.reset(r.slot, r.prompt)
                 self._active.append(r)
 
     def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
@@ -294,73 +336,50 @@ class SpecEngine:
         chunks = self._prefill_chunks(reqs)
         reqs = [r for r, _ in chunks]
         toks = [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks]
-        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.drafter is not None,
+        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.need_features,
                                   last_logits_only=True)
-        done = []
         # one device-to-host copy for the whole batch: a copy per request is a sync per request
-        aux_host = out.aux.float().cpu() if self.drafter is not None else None
+        aux_host = out.aux.float().cpu() if self.need_features else None
+        done = []
         for i, (r, t) in enumerate(zip(reqs, toks)):
             n = len(t)
             self.runner.set_length(r.slot, r.prefilled + n)
             r.prefilled += n
-            if aux_host is not None:
-                aux = aux_host[i, :n].clone()  # own its memory: the backlog outlives this batch
-                if r.pending_aux is not None:
-                    aux = torch.cat([r.pending_aux, aux])
-                # every position but the last knows its next token already
-                nxt = torch.tensor(r.prompt[r.prefilled - aux.shape[0] + 1:r.prefilled])
-                self._to_backlog(r, aux[:-1], nxt)
-                r.pending_aux = aux[-1:]
+            self._commit_to_proposers(r.slot, [], aux_host, i, n)
             if r.prefilled == len(r.prompt):
-                done.append((i, r, n))
+                done.append((i, r))
         if done:
-            logits = torch.stack([out.logits[i, 0] for i, _, _ in done])
-            first = self._sample_first([r for _, r, _ in done], logits)
-            for (i, r, n), tok in zip(done, first):
+            first = self._first_tokens([r for _, r in done], torch.stack([out.logits[i, 0] for i, _ in done]))
+            for (_, r), tok in zip(done, first):
                 r.anchor = tok
-                if self.drafter is not None:
-                    self._to_backlog(r, r.pending_aux, torch.tensor([tok]))
-                    r.pending_aux = None
+                self._commit_to_proposers(r.slot, [tok])
                 self._emit(r, [tok])
-        self._flush_over_bound(reqs)
+        self._settle(reqs)
 
-    MAX_BACKLOG_TOKENS = 256  # bounds the memory of features held for a drafter that is not drafting
-
-    def _to_backlog(self, r: _Request, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Queue committed features for the drafter's context (``_flush_over_bound`` bounds them)."""
-        r.ctx_backlog.append((aux, next_tokens))
-        r.backlog_tokens += aux.shape[0]
-
-    def _flush_over_bound(self, reqs: list[_Request]) -> None:
-        """Append the backlogs past ``MAX_BACKLOG_TOKENS`` in one batch, at the end of a phase:
-        after its tokens were sent, so no token waits for the drafter's context pass."""
-        if self.drafter is not None:
-            over = [r for r in reqs if not r.finished and r.backlog_tokens >= self.MAX_BACKLOG_TOKENS]
-            self._flush_draft_context(over)
-
-    def _flush_draft_context(self, reqs: list[_Request]) -> None:
-        """Bring the drafter's cache up to date for ``reqs`` (one batched append of their backlogs)."""
-        rows = []
-        for r in reqs:
-            if r.ctx_backlog:
-                aux = torch.cat([a for a, _ in r.ctx_backlog])
-                nxt = torch.cat([t for _, t in r.ctx_backlog])
-                rows.append((r.slot, aux, nxt))
-                r.ctx_backlog.clear()
-                r.backlog_tokens = 0
-        if rows:
-            self.draft_runner.append(rows)
-
-    def _sample_first(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
-        """Each request's first token from the prompt's last logits [n, V]: its target choice
-        at that position (``plugins/coupled.py``), under either rule an exact sample."""
-        res = coupled.verify_coupled(
-            torch.zeros(len(reqs), 0, dtype=torch.long, device=logits.device), logits.float().unsqueeze(1),
-            torch.zeros(len(reqs), dtype=torch.long, device=logits.device),
-            torch.tensor([r.params.temperature for r in reqs], device=logits.device),
-            top_k=torch.tensor([r.params.top_k for r in reqs]), top_p=torch.tensor([r.params.top_p for r in reqs]),
-            seed=torch.tensor([r.seed for r in reqs]), position=torch.tensor([_next_position(r) for r in reqs]))
+    def _first_tokens(self, reqs: list[_Request], logits: torch.Tensor) -> list[int]:
+        """Each request's first token from the prompt's last logits [n, V]: the verify path with
+        zero drafts, by the coupled rule (the target's seeded choice at that position, an exact
+        sample under either rule; the rejection rule's round randomness starts with round 0)."""
+        n = len(reqs)
+        batch = DraftBatch.empty(n, 0, source="none")
+        lens = torch.zeros(n, dtype=torch.long)
+        temps = torch.tensor([r.params.temperature for r in reqs])
+        res = self._verify(reqs, batch, logits.float().unsqueeze(1), lens, temps, coupled_only=True)
         return res.output_tokens[:, 0].tolist()
+
+    def _commit_to_proposers(self, slot: int, tokens: list[int], aux_host: torch.Tensor | None = None,
+                             row: int = 0, n: int = 0) -> None:
+        """Tell every proposer about committed tokens; features (rows ``:n`` of ``aux_host[row]``)
+        only to those that need them."""
+        feats = aux_host[row, :n] if aux_host is not None else None
+        for p in self.proposers:
+            p.commit(slot, tokens, feats if p.needs_features else None)
+
+    def _settle(self, reqs: list[_Request]) -> None:
+        """End of a phase (its tokens were sent): the proposers' deferred work."""
+        slots = [r.slot for r in reqs if not r.finished]
+        for p in self.proposers:
+            p.settle(slots)
 
     def _max_lens(self, reqs: list[_Request]) -> torch.Tensor:
         caps = []
@@ -370,106 +389,135 @@ class SpecEngine:
             caps.append(max(0, min(self.K, remaining - 1, room)))
         return torch.tensor(caps, dtype=torch.long)
 
-    def _rows_to_draft(self, reqs: list[_Request]) -> list[int]:
-        """Indices of ``reqs`` that draft this step: all, none (the gate skips), or on a gate probe
-        the few that drafted least recently."""
-        if self.draft_runner is None or self.K == 0:
+    def _neural_rows(self, reqs: list[_Request], suffix: DraftBatch | None) -> list[int]:
+        """Rows of ``reqs`` that run the neural pass this step.
+
+        A row whose suffix proposal already wins, i.e. expects at least as many accepted drafts
+        (from its calibrated confidences) as the neural drafter's running estimate (its accepted
+        drafts per row on past rounds: committed history), is left to the suffix proposal. Of the
+        rest the gate decides how many draft (all, none, or on a probe the few that drafted least
+        recently). Nothing here reads a neural draft."""
+        if self.neural is None:
             return []
-        R = len(reqs)
-        n = R if self.gate is None else self.gate.rows_to_draft(R)
-        if n == R:
-            return list(range(R))
-        return sorted(sorted(range(R), key=lambda i: reqs[i].last_drafted)[:n])
+        rows = list(range(len(reqs)))
+        if suffix is not None:
+            bar = self._neural_estimate()
+            expected = suffix.expected_accepts().tolist()
+            rows = [i for i in rows if expected[i] < bar]
+        if not rows or self.gate is None:
+            return rows
+        n = self.gate.rows_to_draft(len(rows))
+        if n == len(rows):
+            return rows
+        return sorted(sorted(rows, key=lambda i: reqs[i].last_drafted)[:n])
 
-    def _draft(self, reqs: list[_Request], rows: list[int], anchors: torch.Tensor, temps: torch.Tensor):
-        """Drafts for ``reqs[rows]`` and every request's verify length (0 outside ``rows``)
-        -> (lens [R], drafts [R, K], the proposal, per-row raw confidence logits or None)."""
-        R = len(reqs)
-        sub = [reqs[i] for i in rows]
-        idx = torch.tensor(rows)
-        self._flush_draft_context(sub)
-        prop = self.draft_runner.propose([r.slot for r in sub], anchors[idx], temps[idx].to(self.device),
-                                         _draft_noise(sub))
-        conf_rows: list[list[float] | None] = [None] * R
-        confidence = torch.zeros(R, self.K)  # rows that do not draft verify nothing (cap 0 below)
-        if prop.conf_logits is not None:
-            cl = prop.conf_logits.float().cpu()
-            if self.cfg.record_rounds:
-                for i, c in zip(rows, cl):
-                    conf_rows[i] = c.tolist()
-            if self.sts is not None:
-                cl = cl / self.sts[: cl.shape[1]].clamp(min=1e-4)
-            confidence[idx] = torch.sigmoid(cl)
-        else:
-            confidence[idx] = 1.0
-        cap = torch.zeros(R, dtype=torch.long)
-        cap[idx] = self._max_lens(sub)
-        # the policy sees the whole batch: its token count sets the step's cost
-        lens = self.policy(confidence, cap, [r.rid for r in reqs]).cpu()
-        drafts = torch.zeros(R, self.K, dtype=torch.long)
-        drafts[idx] = prop.tokens.cpu()
-        for r in sub:
-            r.last_drafted = self.stats["rounds"]
-        return lens, drafts, prop, conf_rows
+    def _neural_estimate(self) -> float:
+        """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running
+        average when it has one, else the mean over this engine's neural rounds so far (+inf
+        before any, so that every row drafts until there is history)."""
+        if self.gate is not None and self.gate.accepted is not None:
+            return self.gate.accepted
+        st = self.stats.by_proposer.get(self.neural.name)
+        return st.accepted_per_round if st is not None and st.rounds else float("inf")
 
-    def _decode(self, reqs: list[_Request]) -> None:
+    def _propose(self, reqs: list[_Request], temps: torch.Tensor) -> DraftBatch:
+        """Every row's proposal for this round (one row per request, width ``K`` at most).
+
+        The suffix proposer (deterministic) drafts every row first; the neural pass runs only for
+        ``_neural_rows``. A row with both takes the suffix proposal where it expects more accepted
+        drafts, unless the row is rejection-sampled: there the neural drafts were drawn at random
+        and choosing by their confidences would let a draft decide its own verification, so the
+        neural proposal stands (docs/runtime.md "Proposers and hybrid drafting")."""
         R = len(reqs)
         slots = [r.slot for r in reqs]
-        anchors = torch.tensor([r.anchor for r in reqs], device=self.device)
-        temps = torch.tensor([r.params.temperature for r in reqs])
-        rows = self._rows_to_draft(reqs)
-        drafting = bool(rows)
-        if drafting:
-            lens, drafts, prop, conf_rows = self._draft(reqs, rows, anchors, temps)
-        else:
-            lens, drafts, conf_rows = torch.zeros(R, dtype=torch.long), torch.zeros(R, 0, dtype=torch.long), [None] * R
-            if self.draft_runner is not None:
-                self.stats["skipped_draft_steps"] += 1
-        L = int(lens.max()) if R else 0
+        suffix = self.suffix.propose(slots) if self.suffix is not None else None
+        rows = self._neural_rows(reqs, suffix)
+        if self.neural is not None and not rows:
+            self.stats.skipped_draft_steps += 1
+        neural = None
+        if rows:
+            sub = [reqs[i] for i in rows]
+            neural = _scatter(self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub)), rows, R)
+            for r in sub:
+                r.last_drafted = self.stats.decode_steps
+        if suffix is None and neural is None:
+            return DraftBatch.empty(R, 0, source=self.proposers[0].name)
+        if suffix is None:
+            return neural
+        if neural is None:
+            return suffix
+        drafted = torch.zeros(R, dtype=torch.bool)
+        drafted[rows] = True
+        free = torch.tensor([r.coupled or r.params.temperature == 0 for r in reqs], dtype=torch.bool)
+        suffix_wins = suffix.expected_accepts() > neural.expected_accepts()
+        use_neural = drafted & ~(free & suffix_wins)
+        return DraftBatch.combine([suffix, neural], use_neural.long(), self.target.vocab_size)
+
+    def _schedule(self, reqs: list[_Request], batch: DraftBatch) -> torch.Tensor:
+        """Verify lengths [R]: the policy over the whole batch (its token count sets the step's
+        cost), each row capped by its drafts and by its request's room."""
+        R = len(reqs)
+        if batch.width == 0:
+            return torch.zeros(R, dtype=torch.long)
+        cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
+        return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs]).cpu()
+
+    def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor):
+        """The target over ``[anchor, d_1..d_l]`` for every row, then the verify rule
+        -> (result, the target's forward output, L the longest verify)."""
+        L = int(lens.max()) if len(reqs) else 0
+        drafts = batch.tokens.cpu()
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
-        out = self.runner.forward(slots, toks, need_features=self.drafter is not None)
+        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.need_features)
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        res = self._verify(reqs, drafts[:, :L], prop if drafting else None, rows, target_logits, lens, temps)
+        return self._verify(reqs, batch, target_logits, lens, temps), out, L
+
+    def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out, L: int) -> None:
+        """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
         n_acc = res.num_accepted.cpu().tolist()
-        if drafting and self.gate is not None:
-            self.gate.observe(len(rows), int(lens.sum()), sum(n_acc))
+        lens_l = lens.tolist()
+        if self.gate is not None and self.neural is not None:
+            mine = [i for i in range(len(reqs)) if batch.source_of(i) == self.neural.name and batch.lens[i] > 0]
+            if mine:
+                self.gate.observe(len(mine), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         emitted = res.output_tokens.cpu()
-        aux_host = out.aux[:, : L + 1].float().cpu() if self.drafter is not None else None  # one copy, one sync
-        self.stats["rounds"] += 1
-        self.stats["batch_size_sum"] += R
+        aux_host = out.aux[:, : L + 1].float().cpu() if self.need_features else None  # one copy, one sync
+        conf = batch.conf_logits.cpu() if self.cfg.record_rounds and batch.conf_logits is not None else None
+        self.stats.decode_steps += 1
         for i, r in enumerate(reqs):
-            n, l_ = n_acc[i], int(lens[i])
+            n, l_ = n_acc[i], lens_l[i]
             new = emitted[i, : n + 1].tolist()
             base = int(self.runner.lengths[r.slot])
             self.runner.set_length(r.slot, base + n + 1)
             r.steps += 1
             r.drafted += l_
             r.accepted += n
-            self.stats["draft_tokens"] += l_
-            self.stats["accepted_tokens"] += n
-            self.stats["verify_len_hist"][l_] += 1
-            for k in range(n):
-                self.stats["accepted_per_position"][k] += 1
+            source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"
+            self.stats.record_round(source, l_, n)
             if self.cfg.record_rounds:
-                self.rounds.append(RoundRecord(r.rid, l_, n, conf_rows[i]))
-            if aux_host is not None:
-                self._to_backlog(r, aux_host[i, : n + 1].clone(), torch.tensor(new))
+                has_conf = conf is not None and int(batch.lens[i]) > 0
+                self.rounds.append(RoundRecord(r.rid, l_, n, conf[i].tolist() if has_conf else None))
+            self._commit_to_proposers(r.slot, new, aux_host, i, n + 1)
             r.anchor = new[-1]
             self._emit(r, new)
-        self._flush_over_bound(reqs)
+        self._settle(reqs)
 
-    def _verify(self, reqs: list[_Request], drafts: torch.Tensor, prop, rows: list[int], target_logits: torch.Tensor,
-                lens: torch.Tensor, temps: torch.Tensor) -> verify_ref.VerifyResult:
+    def _verify(self, reqs: list[_Request], batch: DraftBatch, target_logits: torch.Tensor, lens: torch.Tensor,
+                temps: torch.Tensor, coupled_only: bool = False) -> verify_ref.VerifyResult:
         """Verify every row by its request's rule: coupled rows (and greedy ones, the same under
-        both rules) in one call, rejection-sampled rows in another; results merged in row order."""
-        R, L = drafts.shape
+        both rules) in one call, rejection-sampled rows in another; results merged in row order.
+        ``coupled_only``: every row by the coupled rule (the first token)."""
+        R = len(reqs)
+        L = target_logits.shape[1] - 1
+        drafts = batch.tokens[:, :L].cpu()
         dev = target_logits.device
         top_k = torch.tensor([r.params.top_k for r in reqs])
         top_p = torch.tensor([r.params.top_p for r in reqs])
         seed = torch.tensor([r.seed for r in reqs])
-        by_rejection = torch.tensor([not r.coupled and r.params.temperature > 0 for r in reqs], dtype=torch.bool)
+        by_rejection = torch.tensor([not coupled_only and not r.coupled and r.params.temperature > 0 for r in reqs],
+                                    dtype=torch.bool)
         n_rej = int(by_rejection.sum())
         position = torch.tensor([_next_position(r) for r in reqs])
         offset = torch.tensor([r.steps for r in reqs])
@@ -484,9 +532,10 @@ class SpecEngine:
                 seed=rows_of(seed, sel), position=rows_of(position, sel))
 
         def run_rejection(sel: torch.Tensor | None):
-            draft_probs = _verify_probs(prop, rows, R, L, temps, target_logits)
+            # a point-mass proposal is a one-hot draft distribution (engine/proposers/base.py)
+            draft_probs = batch.verify_probs(target_logits.shape[-1], L).to(dev)
             return self.verify(
-                rows_of(drafts, sel).to(dev), None if draft_probs is None else rows_of(draft_probs, sel),
+                rows_of(drafts, sel).to(dev), rows_of(draft_probs, sel),
                 rows_of(target_logits, sel), rows_of(lens, sel).to(dev), rows_of(temps, sel).to(dev),
                 top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev), seed=rows_of(seed, sel),
                 offset=rows_of(offset, sel))
@@ -519,7 +568,7 @@ class SpecEngine:
             keep, hit = self._cut_at_stop_string(r, keep)
             reason = "stop" if hit else None
         r.generated.extend(keep)
-        self.stats["emitted_tokens"] += len(keep)
+        self.stats.emitted_tokens += len(keep)
         if reason is not None:
             self._finish(r, reason, keep)
         else:
@@ -558,6 +607,10 @@ class SpecEngine:
             keep = [r for r in self._active if not r.finished]
             if len(keep) == len(self._active):
                 return
+            for r in self._active:
+                if r.finished:
+                    for p in self.proposers:
+                        p.release(r.slot)
             # fill each freed slot below len(keep) with a request from above it: one cache copy
             # per departure, where shifting everyone down would copy every later request's cache
             n = len(keep)
@@ -565,8 +618,8 @@ class SpecEngine:
             movers = sorted((r for r in keep if r.slot >= n), key=lambda r: r.slot)
             for hole, r in zip(holes, movers):
                 self.runner.move_slot(r.slot, hole)
-                if self.draft_runner is not None:
-                    self.draft_runner.move(r.slot, hole)
+                for p in self.proposers:
+                    p.move(r.slot, hole)
                 r.slot = hole
             self._active = sorted(keep, key=lambda r: r.slot)
 
@@ -574,21 +627,24 @@ class SpecEngine:
 def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: str = "algorithm1",
                 device: str = "cpu", max_batch: int = 64, max_context: int = 2048,
                 prefill_chunk: int = EngineConfig.prefill_chunk, prefill_tokens: int = EngineConfig.prefill_tokens,
-                sampling_rule: str = EngineConfig.sampling_rule):
+                sampling_rule: str = EngineConfig.sampling_rule, proposers: str | None = None,
+                suffix: dict | None = None):
     """Build an engine from an engine directory (``dspark build`` output) or the embedded target.
 
     ``engine_dir`` holds ``engine.json`` naming the target profile, the drafter checkpoint
-    directory and optionally ``sps.json`` / ``sts.json``. With ``engine_dir=None`` only
-    ``mode="target_only"`` is possible (there is no drafter to load).
+    directory, optionally ``sps.json`` / ``sts.json``, and the default ``proposers`` (with
+    ``suffix`` settings, ``SuffixConfig`` fields); the ``proposers`` / ``suffix`` arguments
+    override them. Without an engine directory only proposers that need no drafter
+    (``suffix``) or ``mode="target_only"`` are possible.
     """
 
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.config import TargetProfile, load_target_profile
     from dspark.training.target import load_target
 
-    drafter, sps, sts = None, None, None
+    drafter, sps, sts, meta = None, None, None, {}
     if engine_dir is None:
-        if mode == "spec":
+        if mode == "spec" and "neural" in parse_proposers(proposers or "neural"):
             raise ValueError("speculative mode needs an engine directory with a drafter (scripts/build_engine.sh)")
         profile = load_target_profile("smollm2-135m")
     else:
@@ -603,9 +659,11 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     if engine_dir is not None and meta.get("format") == "dspark-engine":  # built by `dspark build`
         from .export.manifest import validate_engine_dir
         validate_engine_dir(engine_dir, target, files="runtime")
+    names = proposers or meta.get("proposers", "neural")
+    suffix_cfg = SuffixConfig(**{"max_drafts": 3, **meta.get("suffix", {}), **(suffix or {})})
     if engine_dir is not None:
         root = Path(engine_dir)
-        if mode == "spec":
+        if mode == "spec" and "neural" in parse_proposers(names):
             drafter, _, _ = load_checkpoint(root / meta.get("drafter_dir", "drafter"), target)
             drafter = drafter.to(device)
         if meta.get("sps"):
@@ -618,7 +676,8 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         log.warning("no SPS table in %s: falling back to fixed-length verification", engine_dir)
         scheduler = "fixed"
     cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context,
-                       prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, sampling_rule=sampling_rule)
+                       prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, sampling_rule=sampling_rule,
+                       proposers=names, suffix=suffix_cfg)
     return SpecEngine(target, drafter, cfg, sps=sps, sts_temperatures=sts)
 
 
@@ -644,18 +703,36 @@ def _draft_noise(reqs: list[_Request]) -> coupled.RaceNoise:
                              torch.tensor([_next_position(r) for r in reqs], dtype=torch.long))
 
 
-def _verify_probs(prop, rows: list[int], R: int, L: int, temps: torch.Tensor,
-                  target_logits: torch.Tensor) -> torch.Tensor | None:
-    """Draft distributions [R, L, V] for verification, or None when every request is greedy
-    (verification takes None as one-hot at the drafts). Rows that did not draft, and greedy
-    rows of a proposal without distributions, verify nothing: their entries are never read."""
-    if not bool((temps > 0).any()):
-        return None
-    if L == 0 or prop.probs is None:
-        return target_logits.new_zeros(R, L, target_logits.shape[-1])
-    probs = prop.probs[:, :L].float()
-    if len(rows) < R:
-        full = probs.new_zeros((R,) + probs.shape[1:])
-        full[torch.tensor(rows, device=full.device)] = probs
-        probs = full
-    return probs
+def parse_proposers(spec: str) -> list[str]:
+    """``"neural+suffix"`` -> ``["suffix", "neural"]``: known, distinct names, the suffix proposer first
+    (it drafts every row before the neural pass is decided); ``none`` alone or not at all."""
+    names = [n.strip() for n in spec.split("+") if n.strip()]
+    unknown = [n for n in names if n not in PROPOSERS]
+    if not names or unknown:
+        raise ValueError(f"proposers must be '+'-joined names from {', '.join(PROPOSERS)}, got {spec!r}")
+    if len(set(names)) != len(names) or ("none" in names and len(names) > 1):
+        raise ValueError(f"proposers: each name once, and none only alone, got {spec!r}")
+    return sorted(names, key=lambda n: n != "suffix")
+
+
+def _scatter(batch: DraftBatch, rows: list[int], R: int) -> DraftBatch:
+    """``batch`` (one row per entry of ``rows``) as an ``R``-row batch; other rows have no drafts."""
+    if len(rows) == R:
+        return batch
+    idx = torch.tensor(rows)
+    K = batch.width
+    tokens = torch.zeros(R, K, dtype=torch.long)
+    tokens[idx] = batch.tokens.cpu()
+    lens = torch.zeros(R, dtype=torch.long)
+    lens[idx] = batch.lens.cpu()
+    conf = torch.zeros(R, K)
+    conf[idx] = batch.confidence.cpu().float()
+    logits = None
+    if batch.conf_logits is not None:
+        logits = torch.zeros(R, K)
+        logits[idx] = batch.conf_logits.cpu().float()
+    probs = None
+    if batch.probs is not None:
+        probs = batch.probs.new_zeros((R,) + tuple(batch.probs.shape[1:]))
+        probs[idx.to(probs.device)] = batch.probs
+    return DraftBatch(tokens=tokens, lens=lens, confidence=conf, probs=probs, conf_logits=logits, source=batch.source)

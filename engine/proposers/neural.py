@@ -56,6 +56,7 @@ class NeuralProposer(Proposer):
         self.sts = None if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
         self.device = next(drafter.parameters()).device
         self._sps = sps
+        self.max_backlog_tokens = MAX_BACKLOG_TOKENS
         self._slots: dict[int, _SlotContext] = {}
 
     # -- the slot cycle --------------------------------------------------------------------------
@@ -84,8 +85,9 @@ class NeuralProposer(Proposer):
         del st.upcoming[:k]
 
     def settle(self, slots: Sequence[int]) -> None:
-        """Append the backlogs past ``MAX_BACKLOG_TOKENS`` in one batch."""
-        self._flush([s for s in slots if s in self._slots and self._slots[s].backlog_tokens >= MAX_BACKLOG_TOKENS])
+        """Append the backlogs past ``max_backlog_tokens`` in one batch."""
+        bound = self.max_backlog_tokens
+        self._flush([s for s in slots if s in self._slots and self._slots[s].backlog_tokens >= bound])
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)

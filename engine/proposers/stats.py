@@ -113,6 +113,10 @@ class EngineStats:
             total=self.total.since(earlier.total),
             by_proposer={k: v.since(earlier.by_proposer.get(k, empty)) for k, v in self.by_proposer.items()})
 
+    def __getitem__(self, key: str):
+        """The legacy dict's view: ``stats["accepted_tokens"]`` is ``as_dict()["accepted_tokens"]``."""
+        return self.as_dict()[key]
+
     def as_dict(self, max_drafts: int | None = None) -> dict:
         """The legacy stats dict's keys (engine/runtime.py before the typed stats)."""
         K = max_drafts if max_drafts is not None else max(len(self.total.verify_len_hist) - 1, 0)
