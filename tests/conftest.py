@@ -1,11 +1,19 @@
 """Shared fixtures: a tiny random Llama target (fast, exact semantics) and the real SmolLM2."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from dspark.training.config import RunConfig, TargetProfile, load_run_config
 from dspark.training.target import Target
+
+
+def pytest_configure(config):
+    """A SIGTERM to the test run (a CI timeout, ``kill``) tears the fixtures down like Ctrl-C:
+    the servers the e2e fixtures started are stopped instead of being left running."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 class _TinyTokenizer:
