@@ -44,16 +44,25 @@ def _checkpoint_dir(args, cfg) -> Path:
     return Path(args.checkpoint) if args.checkpoint else cfg.run_dir / "checkpoints" / "last"
 
 
-def _run_target_drafter(args):
-    """-> (run config, loaded target, drafter from --checkpoint or the run's latest), on --device."""
+def _run_target_drafter(args, need_drafter: bool = True):
+    """-> (run config, loaded target, drafter from --checkpoint or the run's latest), on --device;
+    the drafter is None when ``need_drafter`` is False (proposers without the neural one)."""
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.target import load_target
 
     cfg = _load(args)
     device = getattr(args, "device", "cpu")
     target = load_target(cfg.target, device=device)
+    if not need_drafter:
+        return cfg, target, None
     drafter, _, _ = load_checkpoint(_checkpoint_dir(args, cfg), target)
     return cfg, target, drafter.to(device)
+
+
+def _proposers_need_drafter(specs: list[str]) -> bool:
+    """Whether any ``--proposers`` entry (``EngineConfig.proposers`` syntax) uses the neural drafter."""
+    from dspark.engine.runtime import parse_proposers
+    return any("neural" in parse_proposers(s) for s in specs)
 
 def cmd_prepare_data(args) -> None:
     from dspark.training.data import prepare_data
@@ -73,14 +82,15 @@ def cmd_train(args) -> None:
 def cmd_eval(args) -> None:
     from dspark.engine.evaluate import evaluate, print_table, write_results
 
-    cfg, target, drafter = _run_target_drafter(args)
+    cfg, target, drafter = _run_target_drafter(args, _proposers_need_drafter([args.proposers]))
     e = cfg.eval
     tasks = args.tasks.split(",") if args.tasks else e.tasks
     results = evaluate(target, drafter, tasks, e.temperatures, e.samples_per_task, e.max_new_tokens, e.seed,
-                       cfg.data.data_root)
+                       cfg.data.data_root, proposers=args.proposers)
     print_table(results)
     out = Path(args.output) if args.output else cfg.run_dir / "eval.json"
-    write_results(results, out, {"checkpoint": str(_checkpoint_dir(args, cfg)), "target": cfg.target.name})
+    write_results(results, out, {"checkpoint": str(_checkpoint_dir(args, cfg)) if drafter is not None else None,
+                                 "target": cfg.target.name, "proposers": args.proposers})
     print(f"results: {out}")
 
 
@@ -176,19 +186,39 @@ def cmd_bench(args) -> None:
     from dspark.engine.sts import StsCalibration
     from dspark.training.data import load_eval_prompts
 
-    cfg, target, drafter = _run_target_drafter(args)
+    from dspark.engine.bench import SYSTEM_OF_PROPOSERS
+    from dspark.engine.proposers import SuffixConfig
+
+    systems = args.systems.split(",")
+    if args.proposers:  # the speculative rows by their proposers; target_only and the peers stay
+        specs = args.proposers.split(",")
+        unknown = [s for s in specs if s not in SYSTEM_OF_PROPOSERS]
+        if unknown:
+            raise SystemExit(f"--proposers: unknown entries {unknown}; known: {', '.join(SYSTEM_OF_PROPOSERS)}")
+        systems = [s for s in systems if s in ("target_only", "hf_generate", "hf_prompt_lookup")]
+        systems[1:1] = list(dict.fromkeys(SYSTEM_OF_PROPOSERS[s] for s in specs))
+    need = any(s in ("spec_fixed", "spec_scheduled", "hybrid") for s in systems)
+    cfg, target, drafter = _run_target_drafter(args, need_drafter=need)
     sps = load_sps_table(args.sps) if args.sps else None
     sts = StsCalibration.load(args.sts).temperatures if args.sts else None
     prompts = [target.chat_prompt_ids(p) for task in ("math", "code", "chat")
                for p in load_eval_prompts(task, args.prompts_per_task, cfg.data.data_root)]
+    suffix = SuffixConfig(max_drafts=args.suffix_max_drafts, scope=args.suffix_scope)
     results = decode_benchmark(target, drafter, prompts, [int(b) for b in args.batches.split(",")], args.max_tokens,
                                sps=sps, sts=sts, requests_per_slot=args.requests_per_slot, static_steps=args.static_steps,
-                               repeats=args.repeats)
+                               repeats=args.repeats, systems=tuple(systems), suffix=suffix)
     import torch
     from dspark.engine.host import cpu_label
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_label(torch.get_num_threads())
     write_decode_results(results, Path(args.output_dir), args.name, "dspark " + " ".join(sys.argv[1:]), device)
     print((Path(args.output_dir) / f"{args.name}.md").read_text())
+
+
+def _suffix_settings(args) -> dict:
+    """The suffix-proposer settings given on the command line (``SuffixConfig`` fields)."""
+    keys = {"suffix_max_drafts": "max_drafts", "suffix_scope": "scope", "suffix_max_depth": "max_depth",
+            "suffix_shared_max_outputs": "shared_max_outputs", "suffix_shared_max_tokens": "shared_max_tokens"}
+    return {k: getattr(args, a) for a, k in keys.items() if getattr(args, a, None) is not None}
 
 
 def cmd_build(args) -> None:
@@ -203,7 +233,8 @@ def cmd_build(args) -> None:
                          target_source=args.target_source, dtype=args.dtype, max_batch=args.max_batch,
                          max_context=args.max_context, block_size=args.block_size, what=args.what, sps=args.sps,
                          sts=args.sts, plugin_lib=args.plugin_lib, force=args.force,
-                         trtllm_version=args.trtllm_version)
+                         trtllm_version=args.trtllm_version, proposers=args.proposers,
+                         suffix=_suffix_settings(args))
     except TensorRTUnavailable as exc:
         print(f"dspark build: error: trt not built: {exc} (the other targets were built into {args.output})",
               file=sys.stderr)
@@ -243,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="drafter checkpoint directory (default: <run>/checkpoints/last)")
     p.add_argument("--tasks", help="comma list of math,code,chat or JSONL paths")
     p.add_argument("--output", help="JSON output path (default: <run>/eval.json)")
+    p.add_argument("--proposers", default="neural",
+                   help="drafting methods, '+'-joined: neural (the checkpoint) | suffix | neural+suffix (hybrid)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("quickstart", help="prepare-data + train + eval on the embedded target")
     _common(p); p.set_defaults(fn=cmd_quickstart)
@@ -284,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per batch slot (in-flight refills); each batch size runs max(ceil(this x batch), 4)")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds per system in rotating order; reports medians and per-round ratios (noisy hosts)")
+    p.add_argument("--systems", default="target_only,spec_fixed,spec_scheduled,hf_generate,hf_prompt_lookup",
+                   help="comma list of target_only,spec_fixed,spec_scheduled,suffix,hybrid,hf_generate,hf_prompt_lookup")
+    p.add_argument("--proposers", default=None,
+                   help="comma list of neural,suffix,neural+suffix: the speculative rows by their proposers "
+                        "(spec_scheduled, suffix, hybrid), replacing those of --systems")
+    p.add_argument("--suffix-max-drafts", type=int, default=3, help="the suffix proposer's K")
+    p.add_argument("--suffix-scope", default="shared", help="shared | request (engine/proposers/suffix.py)")
     p.add_argument("--output-dir", default="docs/benchmarks")
     p.add_argument("--name", default="decode")
     p.set_defaults(fn=cmd_bench)
@@ -305,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sts", help="STS calibration JSON to copy in (dspark calibrate)")
     p.add_argument("--plugin-lib", help="libdspark_trt_plugin.so for --what ...,trt")
     p.add_argument("--force", action="store_true", help="overwrite an existing engine directory")
+    p.add_argument("--proposers", default="neural",
+                   help="the engine's default drafting methods: neural | suffix | neural+suffix (hybrid)")
+    p.add_argument("--suffix-max-drafts", type=int, help="the suffix proposer's K (default 3)")
+    p.add_argument("--suffix-scope", help="shared | request: what the suffix index shares (docs/serving.md)")
+    p.add_argument("--suffix-max-depth", type=int, help="longest context the suffix index matches")
+    p.add_argument("--suffix-shared-max-outputs", type=int, help="outputs the shared suffix ring keeps")
+    p.add_argument("--suffix-shared-max-tokens", type=int, help="tokens the shared suffix ring keeps")
     p.set_defaults(fn=cmd_build)
     p = sub.add_parser("profiles", help="list bundled profiles")
     p.set_defaults(fn=cmd_profiles)

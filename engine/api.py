@@ -55,8 +55,10 @@ class RequestOutput:
 
     @property
     def accept_len(self) -> float | None:
-        """Mean tokens emitted per verify round (accepted + 1), or None before the first round."""
-        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else None
+        """Mean tokens emitted per verify round (accepted + 1), or None before the first round
+        (the one definition, ``engine/proposers/stats.py``)."""
+        from .proposers.stats import accept_len
+        return accept_len(self.num_accepted_tokens, self.num_steps)
 
 
 OutputCallback = Callable[[RequestOutput], None]

@@ -1,9 +1,13 @@
 """Decode benchmark (``dspark bench``), SPS profiling (``dspark profile``), STS calibration (``dspark calibrate``).
 
 The benchmark runs every system on the same prompts in the same process, side by side:
-``target_only`` (our engine, no drafter), ``spec_fixed`` (full blocks), ``spec_scheduled``
-(confidence scheduling with the profiled SPS table), and transformers' own ``generate()``
-(plain, and with prompt lookup decoding) as peers. Requests arrive staggered (one new
+``target_only`` (our engine, the null proposer), ``spec_fixed`` (the neural drafter, full
+blocks), ``spec_scheduled`` (the neural drafter, confidence scheduling with the profiled SPS
+table), ``suffix`` (the suffix proposer, no training) and ``hybrid`` (suffix + neural,
+``engine/proposers/``), both scheduled when there is an SPS table, and transformers' own
+``generate()`` (plain, and with prompt lookup decoding) as peers. Every engine run builds a
+fresh engine, so the suffix proposer's shared index starts empty; a run whose suffix
+systems would see a prompt twice is refused (its earlier answer would be in the index). Requests arrive staggered (one new
 request per engine step until the batch is full) so the engine runs in flight.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .api import SamplingParams
+from .proposers import EngineStats, SuffixConfig
 from .runtime import EngineConfig, SpecEngine
 from .target_runner import TargetRunner
 
@@ -42,6 +47,8 @@ class SystemResult:
     # with repeats: tokens/s of every run, and the median over runs of tokens/s over target_only's in the same round
     tokens_per_s_runs: list[float] | None = None
     ratio_to_target_only: float | None = None
+    # accept_len of the rounds each proposer drafted (engine/proposers/stats.py), e.g. {"suffix": 1.7}
+    accept_len_by_proposer: dict[str, float] | None = None
 
 
 def _token_latencies(arrivals: dict[str, list[float]]) -> list[float]:
@@ -80,7 +87,7 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
                 last.append(now)
         if o.finished:
             active -= 1
-    stats0 = dict(engine.stats)
+    stats0 = engine.stats.snapshot()
     replays0 = getattr(engine.runner, "replays", None)
     t0 = time.perf_counter()
     while pending or engine.has_work():
@@ -94,20 +101,21 @@ def run_engine(engine: SpecEngine, prompts: list[list[int]], params: SamplingPar
         outputs[:] = [tokens.get(f"{name}-{i}", []) for i in range(len(prompts))]
     lat = _token_latencies(emitted)
     total = sum(counts.values())
-    rounds = engine.stats["rounds"] - stats0["rounds"]
-    acc = engine.stats["accepted_tokens"] - stats0["accepted_tokens"]
-    drafted = engine.stats["draft_tokens"] - stats0["draft_tokens"]
-    row_rounds = engine.stats["batch_size_sum"] - stats0["batch_size_sum"]
+    st: EngineStats = engine.stats.since(stats0)
+    rounds, row_rounds = st.decode_steps, st.rounds
+    acc, drafted = st.total.accepted, st.total.drafted
     spec = engine.K > 0
-    skipped = engine.stats["skipped_draft_steps"] - stats0["skipped_draft_steps"]
+    skipped = st.skipped_draft_steps
+    by_proposer = {k: v.accept_len for k, v in st.by_proposer.items() if k != "none" and v.rounds}
     return SystemResult(
         system=name, batch=batch, tokens_per_s=total / secs,
-        accept_len=(acc + row_rounds) / row_rounds if spec and row_rounds else None,
+        accept_len=st.accept_len if spec else None,
+        accept_len_by_proposer=by_proposer if spec else None,
         verified_per_accepted=(drafted + row_rounds) / max(acc + row_rounds, 1) if spec else None,
         p50_token_ms=float(np.percentile(lat, 50)) if lat else float("nan"),
         p99_token_ms=float(np.percentile(lat, 99)) if lat else float("nan"),
         output_tokens=total, seconds=secs,
-        drafted_step_frac=1.0 - skipped / rounds if spec and rounds else None,
+        drafted_step_frac=1.0 - skipped / rounds if engine.neural is not None and rounds else None,
         static_step_frac=(engine.runner.replays - replays0) / rounds if replays0 is not None and rounds else None)
 
 
@@ -143,7 +151,8 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
                      sts=None, systems: tuple[str, ...] = ("target_only", "spec_fixed", "spec_scheduled",
                                                          "hf_generate", "hf_prompt_lookup"),
                      min_prompts: int = 4, requests_per_slot: float = 2.0,
-                     static_steps: str = "auto", repeats: int = 1) -> list[SystemResult]:
+                     static_steps: str = "auto", repeats: int = 1,
+                     suffix: SuffixConfig | None = None) -> list[SystemResult]:
     """Each batch size decodes ``max(ceil(requests_per_slot * batch), min_prompts)`` prompts (cycled)
     with every system; greedy speculative outputs are checked against ``target_only``'s.
 
@@ -159,22 +168,35 @@ def decode_benchmark(target, drafter, prompts: list[list[int]], batches: list[in
     for batch in tqdm(batches, desc="decode bench", unit="batch size"):
         n = max(math.ceil(requests_per_slot * batch), min_prompts)
         ps = [prompts[i % len(prompts)] for i in range(n)]
-        runnable = [s for s in systems if _runs_at(s, batch, sps)]
+        runnable = [s for s in systems if _runs_at(s, batch, sps, drafter)]
+        if {"suffix", "hybrid"} & set(runnable) and len({tuple(p) for p in ps}) < n:
+            raise ValueError(f"batch {batch} needs {n} distinct prompts for the suffix systems (a repeated prompt's "
+                             f"answer would be in the shared index), got {len({tuple(p) for p in prompts})}: "
+                             "raise --prompts-per-task or lower --requests-per-slot")
         runs: dict[str, list[SystemResult]] = {s: [] for s in runnable}
         outputs: dict[str, list[list[int]]] = {}
         for rnd in range(repeats):
             k = rnd % len(runnable)
             for system in runnable[k:] + runnable[:k]:
                 out: list[list[int]] = []
-                runs[system].append(_run_system(system, target, drafter, ps, params, batch, sps, sts, static_steps, out))
+                runs[system].append(_run_system(system, target, drafter, ps, params, batch, sps, sts, static_steps, out,
+                                                suffix))
                 outputs.setdefault(system, out)
         results += _summarise(runs, outputs)
     return results
 
 
-def _runs_at(system: str, batch: int, sps) -> bool:
-    if system not in ("target_only", "spec_fixed", "spec_scheduled", "hf_generate", "hf_prompt_lookup"):
-        raise ValueError(f"unknown system {system!r}")
+SYSTEMS = ("target_only", "spec_fixed", "spec_scheduled", "suffix", "hybrid", "hf_generate", "hf_prompt_lookup")
+# the engine systems by their proposers (``EngineConfig.proposers``): ``dspark bench --proposers``
+SYSTEM_OF_PROPOSERS = {"neural": "spec_scheduled", "suffix": "suffix", "neural+suffix": "hybrid",
+                       "suffix+neural": "hybrid"}
+
+
+def _runs_at(system: str, batch: int, sps, drafter=None) -> bool:
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    if system in ("spec_fixed", "spec_scheduled", "hybrid") and drafter is None:
+        return False
     if system == "spec_scheduled":
         return sps is not None
     if system == "hf_prompt_lookup":
@@ -183,22 +205,34 @@ def _runs_at(system: str, batch: int, sps) -> bool:
 
 
 def _run_system(system: str, target, drafter, ps: list[list[int]], params: SamplingParams, batch: int, sps, sts,
-                static_steps: str, out: list[list[int]]) -> SystemResult:
+                static_steps: str, out: list[list[int]], suffix: SuffixConfig | None = None) -> SystemResult:
     """One timed run of ``system`` after an untimed warm-up; ``out`` receives our engine's tokens."""
     if system.startswith("hf_"):
         lookup = system == "hf_prompt_lookup"
         run_hf_generate(target, ps[:1], 2, 1, lookup)  # warm-up, untimed
         return run_hf_generate(target, ps, params.max_tokens, batch, lookup)
     cfg = EngineConfig(mode="spec", max_batch=batch, static_steps=static_steps)
+    if suffix is not None:
+        cfg = dataclasses.replace(cfg, suffix=suffix)
+    scheduled = dataclasses.replace(cfg, scheduler="algorithm1" if sps is not None else "fixed")
     if system == "target_only":
         eng = SpecEngine(target, None, dataclasses.replace(cfg, mode="target_only"))
     elif system == "spec_fixed":
         eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="fixed"))
+    elif system == "suffix":
+        eng = SpecEngine(target, None, dataclasses.replace(scheduled, proposers="suffix"), sps=sps)
+    elif system == "hybrid":
+        eng = SpecEngine(target, drafter, dataclasses.replace(scheduled, proposers="neural+suffix"), sps=sps,
+                         sts_temperatures=sts)
     else:
         eng = SpecEngine(target, drafter, dataclasses.replace(cfg, scheduler="algorithm1"), sps=sps,
                          sts_temperatures=sts)
-    # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks
-    run_engine(eng, ps[:1], dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
+    # untimed warm-up: lazy inits (the verify extension, cuBLAS handles) and GPU clocks; on a
+    # prompt of its own, and the suffix index forgets it (no benchmark prompt's answer in it)
+    warm = [[t for t in reversed(ps[0])]]
+    run_engine(eng, warm, dataclasses.replace(params, max_tokens=4), batch, f"{system}-warmup")
+    if eng.suffix is not None:
+        eng.suffix.clear_shared()
     return run_engine(eng, ps, params, batch, system, out)  # the engine (caches, CUDA graphs) is freed on return
 
 
@@ -214,7 +248,7 @@ def _summarise(runs: dict[str, list[SystemResult]], outputs: dict[str, list[list
             row.tokens_per_s_runs = [r.tokens_per_s for r in rs]
         if base_runs:
             row.ratio_to_target_only = float(np.median([r.tokens_per_s / b.tokens_per_s for r, b in zip(rs, base_runs)]))
-        if system.startswith("spec") and "target_only" in outputs:
+        if (system.startswith("spec") or system in ("suffix", "hybrid")) and "target_only" in outputs:
             ref = outputs["target_only"]
             row.identical_to_target_only = sum(a == b for a, b in zip(outputs[system], ref)) / len(ref)
         rows.append(row)
@@ -303,17 +337,20 @@ def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, 
     repeats = max((len(r.tokens_per_s_runs or [1]) for r in results), default=1)
     lines = [f"# Decode benchmark ({device})", "", f"Command: `{command}`", "",
              "| system | batch | tokens/s | x target_only | accept_len | verified/emitted | steps drafted | p50 ms/token | "
-             "p99 ms/token | = target_only |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "p99 ms/token | = target_only | accept_len by proposer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = float("nan") if r.ratio_to_target_only is None else r.ratio_to_target_only
         al = "-" if r.accept_len is None else f"{r.accept_len:.2f}"
         vp = "-" if r.verified_per_accepted is None else f"{r.verified_per_accepted:.2f}"
         ds = "-" if r.drafted_step_frac is None else f"{100 * r.drafted_step_frac:.0f}%"
         same = "-" if r.identical_to_target_only is None else f"{100 * r.identical_to_target_only:.0f}%"
+        by = ", ".join(f"{k} {v:.2f}" for k, v in (r.accept_len_by_proposer or {}).items()) or "-"
         lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio:.2f} | {al} | {vp} | {ds} | "
-                     f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} | {same} |")
-    lines += ["", "`= target_only`: share of requests whose greedy tokens equal target-only decoding's in this run."]
+                     f"{r.p50_token_ms:.1f} | {r.p99_token_ms:.1f} | {same} | {by} |")
+    lines += ["", "`= target_only`: share of requests whose greedy tokens equal target-only decoding's in this run. "
+              "`accept_len by proposer`: tokens per verify round over the rounds each proposer drafted "
+              "(rounds without drafts not counted; `accept_len` counts every round)."]
     if repeats > 1:
         lines += ["", f"Each system ran {repeats} rounds in rotating order; tokens/s is the median run's and "
                   "`x target_only` the median of the per-round ratios; the other columns come from the median run."]

@@ -16,18 +16,22 @@ import torch
 from tqdm import tqdm
 
 from dspark.training.data import load_eval_prompts
-from dspark.training.metrics import accept_len, accept_rate_at_k, confidence_calibration
+from dspark.training.metrics import accept_rate_at_k, confidence_calibration
 
 from .api import SamplingParams
-from .runtime import EngineConfig, SpecEngine
+from .proposers import accept_len_of_rounds
+from .runtime import EngineConfig, SpecEngine, parse_proposers
 
 
 def collect_rounds(target, drafter, prompts: list[str], temperature: float, max_new_tokens: int, seed: int,
-                   desc: str = "eval", sampling_rule: str = EngineConfig.sampling_rule) -> list:
+                   desc: str = "eval", sampling_rule: str = EngineConfig.sampling_rule,
+                   proposers: str = "neural") -> list:
     """Decode every prompt at batch 1 with full blocks, sampled requests verified by
-    ``sampling_rule`` (the engine's default: what is served); return the per-round records."""
+    ``sampling_rule`` (the engine's default: what is served), drafts from ``proposers``
+    (``EngineConfig.proposers``); return the per-round records."""
     eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=1, seed=seed,
-                                                   record_rounds=True, sampling_rule=sampling_rule))
+                                                   record_rounds=True, sampling_rule=sampling_rule,
+                                                   proposers=proposers))
     stops = list(target.profile.stop_token_ids)
     for i, p in enumerate(tqdm(prompts, desc=desc, unit="prompt", leave=False)):
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i, stop_token_ids=stops)
@@ -40,28 +44,36 @@ def collect_rounds(target, drafter, prompts: list[str], temperature: float, max_
 def summarize(rounds: list, K: int) -> dict:
     acc = np.array([r.accepted for r in rounds])
     prop = np.array([r.verify_len for r in rounds])
-    out = {"accept_len": accept_len(acc), "accept_rate_at_k": accept_rate_at_k(acc, prop, K), "rounds": len(rounds)}
+    out = {"accept_len": accept_len_of_rounds(acc), "accept_rate_at_k": accept_rate_at_k(acc, prop, K),
+           "rounds": len(rounds)}
     conf = [r.conf_logits for r in rounds]
-    if conf and conf[0] is not None:
+    if conf and all(c is not None and len(c) == len(conf[0]) for c in conf):
         cum = torch.cumprod(torch.sigmoid(torch.tensor(conf)), dim=-1).numpy()
         out["calibration"] = confidence_calibration(cum, acc, prop)
     return out
 
 
 def evaluate(target, drafter, tasks: list[str], temperatures: list[float], samples_per_task: int,
-             max_new_tokens: int, seed: int = 0, data_root: str | None = None) -> list[dict]:
-    """One result per (task, temperature) plus an 'overall' row per temperature."""
-    K = drafter.cfg.block_size
+             max_new_tokens: int, seed: int = 0, data_root: str | None = None,
+             proposers: str = "neural") -> list[dict]:
+    """One result per (task, temperature) plus an 'overall' row per temperature; ``proposers``
+    as ``EngineConfig.proposers`` (``drafter`` may be None without ``neural``)."""
+    names = parse_proposers(proposers)
+    ks = ([drafter.cfg.block_size] if "neural" in names else []) + \
+         ([EngineConfig().suffix.max_drafts] if "suffix" in names else [])
+    K = max(ks, default=0)
+    label = proposers if names != ["neural"] else drafter.cfg.algo
     results = []
     for temp in temperatures:
         all_rounds = []
         for task in tasks:
             prompts = load_eval_prompts(task, samples_per_task, data_root)
-            rounds = collect_rounds(target, drafter, prompts, temp, max_new_tokens, seed, desc=f"{task}@T={temp}")
+            rounds = collect_rounds(target, drafter, prompts, temp, max_new_tokens, seed, desc=f"{task}@T={temp}",
+                                    proposers=proposers)
             all_rounds += rounds
-            results.append({"drafter": drafter.cfg.algo, "task": task, "temperature": temp,
+            results.append({"drafter": label, "task": task, "temperature": temp,
                             "samples": len(prompts), **summarize(rounds, K)})
-        results.append({"drafter": drafter.cfg.algo, "task": "overall", "temperature": temp,
+        results.append({"drafter": label, "task": "overall", "temperature": temp,
                         "samples": samples_per_task * len(tasks), **summarize(all_rounds, K)})
     return results
 

@@ -1,7 +1,7 @@
 """``dspark build``: a drafter checkpoint + a target -> an engine directory.
 
     <output>/
-      engine.json        runtime keys (target_profile, drafter_dir, sps, sts) + manifest (manifest.py)
+      engine.json        runtime keys (target_profile, drafter_dir, sps, sts, proposers, suffix) + manifest (manifest.py)
       drafter/           copy of the checkpoint (model.safetensors, drafter.json)
       sps.json sts.json  copied in when given (--sps / --sts)
       onnx/              dspark_draft.onnx: drafter step + DSparkSchedule plugin node
@@ -94,18 +94,29 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
                  target_source: str | None = None, dtype: str = "float32", max_batch: int = 64,
                  max_context: int = 2048, block_size: int | None = None, what: str | Sequence[str] | None = None,
                  sps: str | Path | None = None, sts: str | Path | None = None, plugin_lib: str | None = None,
-                 force: bool = False, trtllm_version: str | None = None) -> dict:
+                 force: bool = False, trtllm_version: str | None = None, proposers: str = "neural",
+                 suffix: dict | None = None) -> dict:
     """Build an engine directory; returns the manifest written to ``engine.json``.
 
     ``target_profile``: a profile name, a YAML path or a ``TargetProfile``; or pass an already
     loaded ``target`` (tests, notebooks). ``target_source`` overrides the profile's source.
     ``trtllm_version``: the TensorRT-LLM whose option spelling ``trtllm/`` uses (trtllm_options.py).
+    ``proposers`` / ``suffix``: the engine's default drafting methods (``EngineConfig.proposers``)
+    and suffix-proposer settings (``SuffixConfig`` fields), which ``load_engine`` and the Triton
+    model read (a request-time parameter may override them).
     """
     from .trtllm_options import TrtllmVersionError, resolve_version
     from dspark.training.checkpoint import KIT_VERSION, read_meta
     from dspark.training.config import TargetProfile, load_target_profile
     from dspark.training.models import DrafterConfig
 
+    from dspark.engine.proposers import SuffixConfig
+    from dspark.engine.runtime import parse_proposers
+    try:
+        parse_proposers(proposers)
+        suffix = dataclasses.asdict(SuffixConfig(**{"max_drafts": 3, **(suffix or {})}))
+    except (TypeError, ValueError) as exc:
+        raise BuildError(f"--proposers / suffix settings: {exc}") from None
     items = parse_what(what)
     dtype = normalise_dtype(dtype)
     if max_batch < 1 or max_context < 2:
@@ -216,6 +227,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target_profile": dataclasses.asdict(profile), "drafter_dir": "drafter",
         "sps": "sps.json" if sps_table is not None else None, "sts": "sts.json" if sts_cal is not None else None,
+        "proposers": proposers, "suffix": suffix,
         "target": {"identity": target.identity(), "source": profile.source, "weights": weights},
         "drafter": dataclasses.asdict(dcfg), "drafter_step": dmeta.get("step"),
         "shapes": {"max_batch": max_batch, "max_context": max_context, "block_size": K, "vocab_size": dcfg.vocab_size,

@@ -163,6 +163,12 @@ class SuffixProposer(Proposer):
             self.shared.remove(self._ring.popleft())
         self._ring.append(self.shared.add_sequence(tokens))
 
+    def clear_shared(self) -> None:
+        """Forget every output in the shared ring (a benchmark's warm-up, a tenant switch)."""
+        if self.shared is not None:
+            while self._ring:
+                self.shared.remove(self._ring.popleft())
+
     @property
     def shared_outputs(self) -> int:
         return len(self._ring)

@@ -4,8 +4,9 @@ All request logic lives in ``dspark.engine.serving`` (tested without a server); 
 only converts between the python backend's objects and numpy, and loads the engine.
 
 Parameters (config.pbtxt; ``DSPARK_<NAME>`` in the server environment overrides
-engine_factory, engine_dir, scheduler, device, engine_kwargs and num_threads): the engine
-is ``<engine_factory>(engine_dir, mode=, scheduler=, device=, **engine_kwargs)``.
+engine_factory, engine_dir, scheduler, device, proposers, engine_kwargs and num_threads): the engine
+is ``<engine_factory>(engine_dir, mode=, scheduler=, device=, **engine_kwargs)``, with
+``proposers=`` added when the ``proposers`` parameter is set (else the engine directory's default).
 """
 import json
 
@@ -79,6 +80,9 @@ class TritonPythonModel:
         scheduler = parameter(params, "scheduler", "algorithm1")
         device = parameter(params, "device", "cpu")
         extra = json.loads(parameter(params, "engine_kwargs", "{}") or "{}")  # e.g. {"max_batch": 64}
+        proposers = parameter(params, "proposers", "")  # "": the engine directory's default (engine.json)
+        if proposers:
+            extra["proposers"] = proposers
         pb_utils.Logger.log_info(
             f"{name}: loading engine via {factory_ref} (engine_dir={engine_dir}, mode={mode}, "
             f"scheduler={scheduler}, device={device}, extra={extra})")
