@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import VerifyResult, process_logits
+from .reference import VerifyResult, check_verify_shapes, process_logits
 
 __all__ = ["RaceNoise", "race_noise", "race_sample", "round_key", "verify_coupled"]
 
@@ -171,14 +171,7 @@ def verify_coupled(
     Example (greedy, K=2, V=3): drafts [[2, 1]], target argmaxes [2, 0, 1], l=[2] ->
     num_accepted [1], output_tokens [[2, 0, -1]].
     """
-    R, K = draft_tokens.shape
-    V = target_logits.shape[-1]
-    if target_logits.shape[:2] != (R, K + 1):
-        raise ValueError(f"target_logits must be [R, K+1, V] = [{R}, {K + 1}, V], got {tuple(target_logits.shape)}")
-    if verify_lens.shape != (R,):
-        raise ValueError(f"verify_lens must be [R]={R}, got {tuple(verify_lens.shape)}")
-    if bool(((verify_lens < 0) | (verify_lens > K)).any()):
-        raise ValueError(f"verify_lens must lie in [0, {K}]")
+    R, K, V = check_verify_shapes(draft_tokens, target_logits, verify_lens)
     device = target_logits.device
     seed = torch.zeros(R, dtype=torch.long) if seed is None else seed
     position = torch.zeros(R, dtype=torch.long) if position is None else position

@@ -108,6 +108,21 @@ def _sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
+def check_verify_shapes(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                        verify_lens: torch.Tensor) -> tuple[int, int, int]:
+    """(R, K, V) of a verify call, after checking that drafts [R, K], logits [R, K+1, V] and
+    lengths [R] in [0, K] fit together (one message per mismatch, shared by every verify rule)."""
+    R, K = draft_tokens.shape
+    V = target_logits.shape[-1]
+    if target_logits.shape[:2] != (R, K + 1):
+        raise ValueError(f"target_logits must be [R, K+1, V] = [{R}, {K + 1}, V], got {tuple(target_logits.shape)}")
+    if verify_lens.shape != (R,):
+        raise ValueError(f"verify_lens must be [R]={R}, got {tuple(verify_lens.shape)}")
+    if bool(((verify_lens < 0) | (verify_lens > K)).any()):
+        raise ValueError(f"verify_lens must lie in [0, {K}]")
+    return R, K, V
+
+
 def verify(
     draft_tokens: torch.Tensor,  # [R, K] int64
     draft_probs: torch.Tensor | None,  # [R, K, V] float, probabilities the drafts were sampled from
@@ -131,14 +146,7 @@ def verify(
     Example (greedy, K=2, V=3): drafts [[2, 1]], target argmaxes [2, 0, 1], l=[2] ->
     num_accepted [1], output_tokens [[2, 0, -1]].
     """
-    R, K = draft_tokens.shape
-    V = target_logits.shape[-1]
-    if target_logits.shape[:2] != (R, K + 1):
-        raise ValueError(f"target_logits must be [R, K+1, V] = [{R}, {K + 1}, V], got {tuple(target_logits.shape)}")
-    if verify_lens.shape != (R,):
-        raise ValueError(f"verify_lens must be [R]={R}, got {tuple(verify_lens.shape)}")
-    if bool(((verify_lens < 0) | (verify_lens > K)).any()):
-        raise ValueError(f"verify_lens must lie in [0, {K}]")
+    R, K, V = check_verify_shapes(draft_tokens, target_logits, verify_lens)
     device = target_logits.device
     greedy = temperature <= 0
     if draft_probs is None:

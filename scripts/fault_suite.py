@@ -29,7 +29,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,22 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.e2e.engine_dir: the untrained drafter of the e2e tests
 
 from dspark.engine.serving import faults as F  # noqa: E402
+from dspark.engine.serving.faults import free_ports  # noqa: E402
 from dspark.engine.serving import stubs  # noqa: E402
 from dspark.engine.serving.client import StreamClient, make_inputs  # noqa: E402
 
 REPO = ROOT / "triton_repo"
 CHECK_PROMPT, CHECK_TOKENS = "Say yes.", 8
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # -- the server ----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,18 @@ import numpy as np
 from . import stubs
 
 VOCAB = 49152  # the embedded SmolLM2 target's vocabulary (the range probes use it)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now (for a test or fault-suite server)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def tensor(name: str, arr: np.ndarray, dtype: str):

@@ -10,13 +10,14 @@ Environment:
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from dspark.engine.serving.faults import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -46,20 +47,9 @@ class Server:
         return total
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def start_command(state: Path, engine: str, *extra: str) -> tuple[list[str], dict[str, str], tuple[int, int, int]]:
     """scripts/start_server.sh on free ports (http, grpc, metrics) with the engine of ``engine``."""
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     env = dict(os.environ, DSPARK_NUM_THREADS=os.environ.get("DSPARK_NUM_THREADS", "1"), PYTHON=sys.executable)
     args = [str(ROOT / "scripts" / "start_server.sh"), "--http-port", str(http), "--grpc-port", str(grpc),
             "--metrics-port", str(metrics), "--state-dir", str(state), "--timeout", "420", *extra]

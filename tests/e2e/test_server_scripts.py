@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, _free_ports
+from dspark.engine.serving.faults import free_ports
+
+from .conftest import ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_start_fails_with_the_model_error_when_the_engine_dir_is_missing(tmp_path):
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     env = dict(os.environ, PYTHON=sys.executable, DSPARK_NUM_THREADS="1")
     run = subprocess.run(
         [str(ROOT / "scripts" / "start_server.sh"), "--http-port", str(http), "--grpc-port", str(grpc),
