@@ -38,6 +38,7 @@ TOL = 1e-5
 
 
 def _drafter(overrides, target, seed):
+    from dspark.engine.export.parity import move_off_initial_values
     from dspark.training.config import load_run_config
     from dspark.training.data import load_eval_prompts
     from dspark.training.draft_vocab import choose_draft_vocab
@@ -51,14 +52,7 @@ def _drafter(overrides, target, seed):
         ids = choose_draft_vocab([target.tokenizer.encode(t) for t in texts], [], d.cfg.draft_vocab_size,
                                  target.vocab_size)
         d.set_draft_vocab(ids)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.05)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.05)
+    move_off_initial_values(d, head_std=0.05)
     return d, cfg
 
 

@@ -140,3 +140,18 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def move_off_initial_values(drafter, head_std: float = 0.5) -> None:
+    """Give a freshly built drafter non-trivial weights everywhere (in place), for parity checks:
+    norms start at 1 and the Markov / confidence heads at 0, which would hide a mismatch there."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        if drafter.markov is not None:
+            drafter.markov.w2.weight.normal_(0, head_std)
+        if drafter.confidence is not None:
+            drafter.confidence.proj.weight.normal_(0, head_std)

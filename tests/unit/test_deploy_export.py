@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from dspark.engine.export import builder
+from dspark.engine.export.parity import move_off_initial_values
 from dspark.engine.export.deepspec_import import DeepSpecImportError, import_deepspec
 from dspark.engine.export.eagle3_export import export_eagle3, import_eagle3
 from dspark.engine.export.hf_export import export_hf
@@ -35,14 +36,7 @@ def _drafter(target, algo="dspark", draft_vocab=False, style=None, seed=0):
     d = build_drafter(drafter_config_for(cfg, target), target).eval()
     if draft_vocab:
         d.set_draft_vocab(DRAFT_IDS)
-    with torch.no_grad():  # non-trivial weights everywhere (heads and norms start at 0 / 1)
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
+    move_off_initial_values(d, head_std=0.5)
     return d
 
 

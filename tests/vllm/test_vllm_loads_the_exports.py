@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark.engine.export import vllm_check
+from dspark.engine.export.parity import move_off_initial_values
 from dspark.engine.export.eagle3_export import export_eagle3
 from dspark.engine.export.hf_export import export_hf
 from dspark.training.models import build_drafter, drafter_config_for
@@ -32,14 +33,7 @@ def _drafter(target, algo, draft_vocab, style=None):
     d = build_drafter(drafter_config_for(cfg, target), target).eval()
     if draft_vocab:
         d.set_draft_vocab(DRAFT_IDS)
-    with torch.no_grad():  # weights away from their 0 / 1 starts, so every head shows in the logits
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
+    move_off_initial_values(d, head_std=0.5)
     return d
 
 
