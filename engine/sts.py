@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from dspark.training.metrics import brier, ece, roc_auc
+from dspark.training.metrics import confidence_calibration, ece_rows, roc_auc
 from dspark.training.jsonfile import read_json_file
 
 __all__ = [
@@ -114,18 +114,6 @@ def apply_sts(conf_logits: Any, temps: Any) -> torch.Tensor:
     return torch.sigmoid(z / t)
 
 
-def _ece_per_row(probs: torch.Tensor, labels: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """ECE (equal-width bins, p = 1 in the last bin) of each row of probs [G, N] vs labels [N] -> [G]."""
-    g, n = probs.shape
-    if n == 0:
-        return torch.zeros(g, dtype=torch.float64)
-    b = (probs * n_bins).floor().long().clamp(0, n_bins - 1) + torch.arange(g).unsqueeze(1) * n_bins
-    b = b.reshape(-1)
-    sum_p = torch.bincount(b, weights=probs.reshape(-1), minlength=g * n_bins)
-    sum_y = torch.bincount(b, weights=labels.expand(g, n).reshape(-1), minlength=g * n_bins)
-    return (sum_p - sum_y).abs().reshape(g, n_bins).sum(-1) / n
-
-
 def _as_proposed(num_proposed: Any, n: int, k: int) -> torch.Tensor:
     if num_proposed is None:
         return torch.full((n,), k, dtype=torch.long)
@@ -166,7 +154,7 @@ def fit_sts(
         seen = prop >= pos + 1
         labels = (acc[seen] >= pos + 1).double()
         cand = prev[seen].unsqueeze(0) * torch.sigmoid(z[seen, pos].unsqueeze(0) / grid.unsqueeze(1))  # [G, n_seen]
-        best = int(torch.argmin(_ece_per_row(cand, labels, n_bins))) if labels.numel() else 0
+        best = int(ece_rows(cand.numpy(), labels.numpy(), n_bins).argmin()) if labels.numel() else 0
         temp = float(grid[best]) if labels.numel() else 1.0
         temps.append(temp)
         prev = prev * torch.sigmoid(z[:, pos] / temp)
@@ -191,26 +179,31 @@ class PositionReport:
 
 def calibration_report(conf_logits: Any, accepted_len: Any, temps: Any, n_bins: int = 15,
                        num_proposed: Any = None) -> list[PositionReport]:
-    """Per-position ECE / Brier / AUC of the cumulative product before (T=1) and after STS."""
+    """Per-position ECE / Brier / AUC of the cumulative product before (T=1) and after STS.
+
+    Both sides are ``dspark.training.metrics.confidence_calibration`` of the survival; a
+    position no round verified reports NaN. ``auc_conditional`` ranks the raw logit ``z_k``
+    among the rounds that reached draft k, which no temperature changes.
+    """
     z = _as_logits(conf_logits)
     n, k = z.shape
     acc = _as_counts(accepted_len, n, k)
     prop = _as_proposed(num_proposed, n, k)
     t = _check_temps(temps, k)
-    a_before = torch.cumprod(torch.sigmoid(z), dim=1).numpy()
-    a_after = torch.cumprod(torch.sigmoid(z / t), dim=1).numpy()
+    a_before = torch.cumprod(torch.sigmoid(z), dim=1)
+    a_after = torch.cumprod(torch.sigmoid(z / t), dim=1)
+    before = confidence_calibration(a_before, acc, prop, n_bins)
+    after = confidence_calibration(a_after, acc, prop, n_bins)
     rows = []
-    for pos in range(k):
-        seen = (prop >= pos + 1).numpy()
-        y = (acc >= pos + 1).double().numpy()[seen]
-        reached = (acc >= pos).numpy()[seen]  # rounds where draft `pos` was judged
-        b, a = a_before[seen, pos], a_after[seen, pos]
+    for pos, (b, a) in enumerate(zip(before, after)):
+        seen = prop >= pos + 1
+        judged = acc[seen] >= pos  # rounds whose accepted prefix reached draft `pos`
+        y = (acc[seen] >= pos + 1).double()
         rows.append(PositionReport(
-            position=pos, n=int(seen.sum()), positive_rate=float(y.mean()) if y.size else float("nan"),
-            ece_before=ece(b, y, n_bins), ece_after=ece(a, y, n_bins),
-            brier_before=brier(b, y), brier_after=brier(a, y),
-            auc_before=roc_auc(b, y), auc_after=roc_auc(a, y),
-            auc_conditional=roc_auc(z[:, pos].numpy()[seen][reached], y[reached]),
+            position=pos, n=b["n"], positive_rate=b["accept_rate"],
+            ece_before=b["ece"], ece_after=a["ece"], brier_before=b["brier"], brier_after=a["brier"],
+            auc_before=b["auc"], auc_after=a["auc"],
+            auc_conditional=roc_auc(z[seen, pos][judged], y[judged]),
         ))
     return rows
 

@@ -9,10 +9,14 @@
   by evaluation and by STS calibration (``dspark.engine.sts``); all in float64:
   - ``ece``: expected calibration error with ``n_bins`` equal-width bins on [0, 1],
     ``sum_b (n_b / n) * |mean(p in b) - mean(y in b)|``; p = 1 falls in the last bin;
-    0.0 for empty input.
+    0.0 for empty input. ``ece_rows`` scores many candidate rows against one label
+    vector at once (the STS grid search).
   - ``brier``: ``mean((p - y)^2)``.
   - ``roc_auc``: probability that a random positive scores above a random negative (ties
     count one half), the normalised Mann-Whitney U; NaN if only one class is present.
+  - ``confidence_calibration``: the three above per draft position for the survival
+    ``a_k``, each position scored on the rounds that verified it; one home for
+    ``dspark eval`` and the STS report (``dspark.engine.sts.calibration_report``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["accept_len", "accept_rate_at_k", "confidence_calibration", "ece", "brier", "roc_auc",
+__all__ = ["accept_len", "accept_rate_at_k", "confidence_calibration", "ece", "ece_rows", "brier", "roc_auc",
            "reliability_bins", "bin_index"]
 
 
@@ -79,11 +83,26 @@ def reliability_bins(probs: Any, labels: Any, n_bins: int = 15) -> dict[str, np.
 def ece(probs: Any, labels: Any, n_bins: int = 15) -> float:
     """Expected calibration error (equal-width bins); 0.0 for empty input."""
     p, y = _check_pair(probs, labels)
-    if p.size == 0:
-        return 0.0
-    b = bin_index(p, n_bins)
-    gap = np.bincount(b, weights=p, minlength=n_bins) - np.bincount(b, weights=y, minlength=n_bins)
-    return float(np.abs(gap).sum() / p.size)
+    return float(ece_rows(p[None, :], y, n_bins)[0])
+
+
+def ece_rows(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> np.ndarray:
+    """ECE of each row of ``probs`` [G, N] against the one label vector ``labels`` [N] -> [G].
+
+    Rows are binned separately (bin ``g * n_bins + b`` of one flat bincount), so a grid of G
+    candidate calibrations is scored in one pass; 0.0 per row when N = 0.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    labels = np.asarray(labels, dtype=np.float64).reshape(-1)
+    if probs.ndim != 2 or probs.shape[1] != labels.size:
+        raise ValueError(f"probs must be [G, N] with N = {labels.size} labels, got shape {probs.shape}")
+    g, n = probs.shape
+    if n == 0:
+        return np.zeros(g, dtype=np.float64)
+    b = (bin_index(probs, n_bins) + np.arange(g)[:, None] * n_bins).reshape(-1)
+    sum_p = np.bincount(b, weights=probs.reshape(-1), minlength=g * n_bins)
+    sum_y = np.bincount(b, weights=np.broadcast_to(labels, (g, n)).reshape(-1), minlength=g * n_bins)
+    return np.abs(sum_p - sum_y).reshape(g, n_bins).sum(-1) / n
 
 
 def brier(probs: Any, labels: Any) -> float:
@@ -112,17 +131,28 @@ def roc_auc(scores: Any, labels: Any) -> float:
     return float(u / (n_pos * n_neg))
 
 
-def confidence_calibration(cum_conf: np.ndarray, num_accepted: np.ndarray, num_proposed: np.ndarray) -> list[dict]:
-    """Per position: ECE / AUC / Brier of a_k against 1[accepted >= k], over rounds that proposed k."""
-    cum_conf = np.asarray(cum_conf)
-    acc = np.asarray(num_accepted)
-    prop = np.asarray(num_proposed)
+def confidence_calibration(survival: Any, num_accepted: Any, num_proposed: Any = None,
+                           n_bins: int = 15) -> list[dict]:
+    """Per draft position k = 1..K: how well the survival ``a_k`` [N, K] predicts 1[accepted >= k].
+
+    Position k is scored on the rounds that verified at least k drafts (``num_proposed``
+    [N]; None = all K), since the others say nothing about it. Each row holds
+    ``position`` (1-based), ``n`` (rounds scored), ``ece``, ``auc``, ``brier``,
+    ``mean_conf`` and ``accept_rate`` (the label's mean); the metrics are NaN where n = 0.
+    """
+    a = np.asarray(survival.detach().cpu() if hasattr(survival, "detach") else survival, dtype=np.float64)
+    acc = np.asarray(num_accepted).reshape(-1)
+    if a.ndim != 2 or a.shape[0] != acc.size:
+        raise ValueError(f"survival must be [N, K] with N = {acc.size} rounds, got shape {a.shape}")
+    prop = np.full(acc.size, a.shape[1]) if num_proposed is None else np.asarray(num_proposed).reshape(-1)
+    nan = float("nan")
     out = []
-    for k in range(1, cum_conf.shape[1] + 1):
+    for k in range(1, a.shape[1] + 1):
         sel = prop >= k
-        p, y = cum_conf[sel, k - 1], (acc[sel] >= k).astype(np.float64)
-        out.append({"position": k, "n": int(sel.sum()), "ece": ece(p, y) if p.size else float("nan"), "auc": roc_auc(p, y),
-                    "brier": brier(p, y),
-                    "mean_conf": float(p.mean()) if p.size else float("nan"),
-                    "accept_rate": float(y.mean()) if y.size else float("nan")})
+        p, y = a[sel, k - 1], (acc[sel] >= k).astype(np.float64)
+        empty = p.size == 0
+        out.append({"position": k, "n": int(sel.sum()), "ece": nan if empty else ece(p, y, n_bins),
+                    "auc": roc_auc(p, y), "brier": brier(p, y),
+                    "mean_conf": nan if empty else float(p.mean()),
+                    "accept_rate": nan if empty else float(y.mean())})
     return out
