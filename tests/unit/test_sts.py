@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.training.metrics import brier, ece, reliability_bins, roc_auc
+from dspark.training.metrics import brier, confidence_calibration, ece, ece_rows, reliability_bins, roc_auc
 from dspark.engine.sts import (
     StsCalibration,
     StsCalibrationError,
@@ -185,6 +185,29 @@ def test_brier_and_reliability_bins():
     bins = reliability_bins([0.05, 0.15, 0.95], [0, 1, 1], n_bins=10)
     assert bins["count"].tolist() == [1, 1] + [0] * 7 + [1]
     assert bins["accuracy"][1] == 1.0 and np.isnan(bins["accuracy"][5])
+
+
+def test_ece_rows_scores_each_row_as_ece_does():
+    rng = np.random.default_rng(3)
+    y = (rng.random(500) < 0.4).astype(float)
+    rows = np.concatenate([rng.random((6, 500)), np.ones((1, 500)), np.zeros((1, 500))])
+    assert ece_rows(rows, y, 10).tolist() == [ece(r, y, 10) for r in rows]
+    assert ece_rows(np.zeros((3, 0)), np.zeros(0)).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"\[G, N\]"):
+        ece_rows(np.zeros((2, 4)), np.zeros(5))
+
+
+def test_confidence_calibration_scores_position_k_on_rounds_that_verified_k():
+    survival = np.array([[0.9, 0.5], [0.8, 0.4], [0.7, 0.1]])
+    acc, prop = np.array([2, 0, 1]), np.array([2, 2, 1])
+    rows = confidence_calibration(survival, acc, prop)
+    assert [(r["position"], r["n"]) for r in rows] == [(1, 3), (2, 2)]
+    assert rows[0]["accept_rate"] == pytest.approx(2 / 3) and rows[1]["accept_rate"] == 0.5
+    assert rows[1]["ece"] == pytest.approx(ece([0.5, 0.4], [1, 0]))
+    assert rows[1]["auc"] == 1.0, "position 2 sees rounds 0 and 1 only"
+    empty = confidence_calibration(survival, np.zeros(3), np.zeros(3))
+    assert all(r["n"] == 0 and np.isnan(r["ece"]) and np.isnan(r["accept_rate"]) for r in empty), \
+        "a position no round verified has no calibration to report"
 
 
 def test_sts_scores_each_position_only_on_rounds_that_verified_it(overconfident):
