@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.plugins import coupled
+from dspark.plugins import coupled, ops
 from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
@@ -58,15 +58,6 @@ from .target_runner import TargetRunner
 from . import threads
 
 log = logging.getLogger(__name__)
-
-
-def _verify_fn():
-    """The plugins op when present (CUDA kernels), else the reference."""
-    try:
-        from dspark.plugins import ops
-        return ops.verify
-    except ImportError:
-        return verify_ref.verify
 
 
 @dataclass
@@ -170,7 +161,7 @@ class SpecEngine:
             kwargs = {"threshold": self.cfg.threshold}
         self.policy = make_scheduler(sched, **kwargs)
         self.gate = self._make_gate(sps, sched)
-        self.verify = _verify_fn()
+        self.verify = ops.verify  # the CUDA kernel for CUDA tensors, the reference otherwise
         self.device = self.runner.device
         self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
         self._queue: deque[_Request] = deque()

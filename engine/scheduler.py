@@ -45,15 +45,15 @@ steps, or a fresh batch), the step falls back to synchronous Algorithm 1.
 """
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from dspark.engine.sps import SpsTable
+from dspark.plugins import ops
 from dspark.plugins.reference import prefix_survival, schedule_prefix
 
 __all__ = [
@@ -135,28 +135,6 @@ def top_capacity_lens(confidence: torch.Tensor, cap: torch.Tensor, capacity: int
     return lens
 
 
-_OPS_SCHEDULE: list[Callable[..., torch.Tensor] | None] = []
-
-
-def _ops_schedule_prefix() -> Callable[..., torch.Tensor] | None:
-    """``dspark.plugins.ops.schedule_prefix`` if that module exists and loads, else None (cached).
-
-    It is expected to mirror ``reference.schedule_prefix(confidence, sps, max_lens, early_stop)``.
-    """
-    if not _OPS_SCHEDULE:
-        fn = None
-        try:
-            from dspark.plugins import ops  # optional compiled kernels
-            fn = getattr(ops, "schedule_prefix", None)
-        except ImportError:
-            fn = None
-        except (OSError, RuntimeError) as e:  # present but broken: say so once, use the reference
-            warnings.warn(f"dspark.plugins.ops failed to load ({e}); scheduling with the reference",
-                          RuntimeWarning, stacklevel=3)
-        _OPS_SCHEDULE.append(fn)
-    return _OPS_SCHEDULE[0]
-
-
 class VerifyLengthPolicy(ABC):
     """``policy(confidence [R, K], max_lens [R] | None, request_ids) -> verify_lens [R] int64``.
 
@@ -217,8 +195,8 @@ class StaticThreshold(VerifyLengthPolicy):
 class Algorithm1Scheduler(VerifyLengthPolicy):
     """Report Algorithm 1 with its early stop (synchronous): maximise ``tau * SPS(B)``.
 
-    Runs ``dspark.plugins.ops.schedule_prefix`` for CUDA tensors when that module exists,
-    otherwise ``dspark.plugins.reference.schedule_prefix``.
+    Runs ``dspark.plugins.ops.schedule_prefix``: the CUDA kernel for CUDA tensors, the
+    reference (``dspark.plugins.reference.schedule_prefix``) otherwise.
     """
 
     name = "algorithm1"
@@ -227,11 +205,8 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
         self.sps = _as_sps(sps, max_tokens)
 
     def _lens(self, confidence, cap, request_ids):
-        if confidence.is_cuda:
-            fn = _ops_schedule_prefix()
-            if fn is not None:
-                return fn(confidence, self.sps.to(confidence.device), cap.to(confidence.device), early_stop=True)
-        return schedule_prefix(confidence, self.sps, cap, early_stop=True)
+        device = confidence.device
+        return ops.schedule_prefix(confidence, self.sps.to(device), cap.to(device), early_stop=True)
 
 
 class AsyncScheduler(VerifyLengthPolicy):
