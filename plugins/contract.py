@@ -32,7 +32,12 @@ int64 (accepted drafts, then the recovered or bonus token, then -1). Attributes:
 ``DSparkSchedule`` (report Algorithm 1 with the early stop, as ``reference.schedule_prefix``):
 inputs ``confidence`` [R, K] float32 and optionally ``max_lens`` [R] int64; output
 ``verify_lens`` [R] int64; attributes ``block_size`` = K and ``sps_table`` (float32 list,
-steps/s indexed by batch tokens B, entry 0 unused). R * K <= 16384.
+steps/s indexed by batch tokens B, entry 0 unused). R * K <= :data:`SCHEDULE_MAX_CANDIDATES`.
+
+The kernel sources take that limit from here as a compile-time define
+(:func:`kernel_define_flags`: ``plugins/ops.py`` passes them to torch's JIT build,
+``plugins/CMakeLists.txt`` reads the constant from this file), so the Python fallback, the
+ONNX contract and the compiled kernel cannot disagree.
 """
 from __future__ import annotations
 
@@ -43,8 +48,8 @@ __all__ = [
     "OP_TYPE", "OP_VERIFY", "OP_SCHEDULE", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "ONNX_DOMAIN",
     "ONNX_DOMAIN_VERSION", "SCHEDULE_MAX_CANDIDATES", "AttrSpec", "TensorSpec", "VERIFY_ATTRS",
     "VERIFY_INPUTS", "VERIFY_INPUTS_GREEDY", "VERIFY_OUTPUTS", "SCHEDULE_ATTRS", "SCHEDULE_INPUTS",
-    "SCHEDULE_OUTPUTS", "verify_inputs", "verify_attributes", "schedule_attributes", "verify_node",
-    "schedule_node",
+    "SCHEDULE_OUTPUTS", "KERNEL_DEFINES", "kernel_define_flags", "verify_inputs", "verify_attributes",
+    "schedule_attributes", "verify_node", "schedule_node",
 ]
 
 OP_VERIFY = "DSparkVerify"
@@ -54,7 +59,17 @@ PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = "dspark"
 ONNX_DOMAIN = "trt.plugins"
 ONNX_DOMAIN_VERSION = 1
-SCHEDULE_MAX_CANDIDATES = 16384  # R * K the one-block scheduler kernel takes
+# R * K the one-block scheduler kernel takes; at most its largest launch (1024 threads x 16
+# items, static_assert in csrc/schedule.cuh). CMakeLists.txt parses this line: keep it a literal.
+SCHEDULE_MAX_CANDIDATES = 16384
+
+# Compile-time values the CUDA sources take from this contract (-D name=value).
+KERNEL_DEFINES: dict[str, int] = {"DSPARK_SCHEDULE_MAX_CANDIDATES": SCHEDULE_MAX_CANDIDATES}
+
+
+def kernel_define_flags() -> list[str]:
+    """``-DNAME=value`` compiler flags for :data:`KERNEL_DEFINES` (nvcc and the host compiler alike)."""
+    return [f"-D{name}={value}" for name, value in KERNEL_DEFINES.items()]
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ What the kernel path guarantees against the reference:
   for a fixed seed and offset on the same device;
 - rows with top-k (``0 < top_k < V``) or top-p (``top_p < 1``) are computed by the
   reference (one host sync to find them) and merged into the kernel's result;
-- the scheduler: bit-identical lengths for ``R * K <= 16384`` (larger batches use the
-  reference).
+- the scheduler: bit-identical lengths for ``R * K <= SCHEDULE_MAX_CANDIDATES``
+  (``plugins/contract.py``; larger batches use the reference).
 
 Differences (no host sync is spent on argument values; see docs/plugins.md): out-of-range
 ``verify_lens`` are clamped to ``[0, K]`` instead of raising, and ``draft_probs=None`` with
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from . import reference
+from .contract import SCHEDULE_MAX_CANDIDATES, kernel_define_flags
 from .reference import VerifyResult
 
 __all__ = ["verify", "schedule_prefix", "extension_available", "load_extension", "SCHEDULE_MAX_CANDIDATES"]
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("verify_torch.cpp", "verify.cu", "schedule.cu")  # headers: common/verify/schedule.cuh, dspark_kernels.h
-SCHEDULE_MAX_CANDIDATES = 16384  # R * K handled by the one-block scheduler kernel
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "error": None}
@@ -70,8 +70,9 @@ def _arch_flags() -> list[str]:
 
 
 def _sources_digest() -> str:
-    """Short hash of every file in csrc/ (headers included): a changed header means a new build."""
-    h = hashlib.sha256()
+    """Short hash of every file in csrc/ (headers included) and of the contract's defines:
+    a changed header or limit means a new build."""
+    h = hashlib.sha256(" ".join(kernel_define_flags()).encode())
     for path in sorted(CSRC.iterdir()):
         if path.is_file():
             h.update(path.name.encode())
@@ -96,8 +97,8 @@ def load_extension(verbose: bool = False) -> bool:
                 name=f"dspark_verify_ext_{_sources_digest()}",
                 sources=[str(CSRC / s) for s in SOURCES],
                 extra_include_paths=[str(CSRC)],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", *_arch_flags()],
+                extra_cflags=["-O3", *kernel_define_flags()],
+                extra_cuda_cflags=["-O3", *kernel_define_flags(), *_arch_flags()],
                 is_python_module=False,
                 verbose=verbose,
             )

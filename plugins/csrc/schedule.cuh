@@ -13,7 +13,15 @@
 //
 // One block: candidate keys are sorted in shared memory with cub::BlockRadixSort (64-bit
 // keys on 62 bits, 5 bits a pass), then one block scan and two block reductions.
+//
+// The largest R*K it takes is plugins/contract.py's SCHEDULE_MAX_CANDIDATES, passed by every
+// build as -DDSPARK_SCHEDULE_MAX_CANDIDATES (plugins/ops.py, plugins/CMakeLists.txt); it must
+// fit the largest launch below (checked at compile time).
 #pragma once
+
+#ifndef DSPARK_SCHEDULE_MAX_CANDIDATES
+#error "DSPARK_SCHEDULE_MAX_CANDIDATES is not defined: compile with plugins/contract.py kernel_define_flags()"
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -188,7 +196,12 @@ cudaError_t launch_schedule_cfg(const TC* conf, const ScheduleParams& p, cudaStr
   return cudaGetLastError();
 }
 
-constexpr int32_t kScheduleMaxCandidates = 1024 * 16;
+// The largest launch: one block of 1024 threads, 16 candidates each.
+constexpr int kScheduleMaxThreads = 1024;
+constexpr int kScheduleMaxItems = 16;
+constexpr int32_t kScheduleMaxCandidates = DSPARK_SCHEDULE_MAX_CANDIDATES;
+static_assert(kScheduleMaxCandidates >= 1 && kScheduleMaxCandidates <= kScheduleMaxThreads * kScheduleMaxItems,
+              "SCHEDULE_MAX_CANDIDATES (plugins/contract.py) must fit one block of the largest launch");
 
 template <typename TC>
 cudaError_t launch_schedule(const TC* conf, const ScheduleParams& p, cudaStream_t stream) {
@@ -203,7 +216,7 @@ cudaError_t launch_schedule(const TC* conf, const ScheduleParams& p, cudaStream_
   }
   if (n <= 256 * 8) return launch_schedule_cfg<256, 8>(conf, p, stream);
   if (n <= 512 * 16) return launch_schedule_cfg<512, 16>(conf, p, stream);
-  return launch_schedule_cfg<1024, 16>(conf, p, stream);
+  return launch_schedule_cfg<kScheduleMaxThreads, kScheduleMaxItems>(conf, p, stream);
 }
 
 }  // namespace detail

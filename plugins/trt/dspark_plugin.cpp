@@ -310,7 +310,8 @@ int32_t DSparkSchedulePlugin::configurePlugin(DynamicPluginTensorDesc const* in,
   }
   int64_t const maxR = in[0].max.d[0];
   if (maxR > 0 && maxR * mBlockSize > schedule_max_candidates()) {
-    logError("DSparkSchedule: R * block_size exceeds the scheduler kernel's capacity (16384)");
+    logError("DSparkSchedule: R * block_size exceeds the scheduler kernel's capacity (" +
+             std::to_string(schedule_max_candidates()) + ", plugins/contract.py SCHEDULE_MAX_CANDIDATES)");
     return -1;
   }
   return 0;

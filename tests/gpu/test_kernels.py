@@ -265,6 +265,21 @@ def test_scheduler_with_caps_and_a_short_table() -> None:
         assert torch.equal(ops.schedule_prefix(conf, sps, caps).cpu(), reference.schedule_prefix(conf, sps, caps).cpu())
 
 
+def test_compiled_scheduler_takes_exactly_the_contracts_candidates() -> None:
+    """The kernel's R*K limit is contract.py's: R*K = limit runs, one more candidate is refused."""
+    from dspark.plugins.contract import SCHEDULE_MAX_CANDIDATES
+
+    K = 8
+    R = SCHEDULE_MAX_CANDIDATES // K
+    sps = _sps(R * (K + 1) + 3, seed=0).to(DEV)
+    conf = _conf(R, K, "mixed", 2, torch.float32)
+    assert torch.equal(torch.ops.dspark.schedule_prefix(conf, sps, None, True).cpu(),
+                       reference.schedule_prefix(conf, sps.cpu(), None, True).cpu())
+    over = _conf(R + 1, K, "mixed", 3, torch.float32)
+    with pytest.raises(RuntimeError, match=f"exceeds the scheduler kernel's {SCHEDULE_MAX_CANDIDATES} candidates"):
+        torch.ops.dspark.schedule_prefix(over, sps, None, True)
+
+
 def test_appendix_a_on_the_gpu() -> None:
     sps = torch.tensor([0.0, 1.0, 0.5, 0.45], dtype=torch.float64)
     for c2, early, want in [(0.9, True, 0), (0.0, True, 0), (0.9, False, 2), (0.0, False, 0)]:

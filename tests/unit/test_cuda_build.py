@@ -6,7 +6,9 @@
 - TensorRT headers (TENSORRT_ROOT or the standard paths): the plugin source compiles, and a
   small host program drives its creators/plugins through the IPluginV3 interfaces.
 - cmake: configuring plugins/ without TensorRT says that it builds the kernels only.
-- Always: the C++ plugin's names and fields match plugins/contract.py.
+- Always: the C++ plugin's names and fields match plugins/contract.py, and every build of the
+  kernels takes the scheduler's R*K limit from contract.py (nvcc: the compiled value is
+  contract's, a missing or oversized one does not compile).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def kernel_objects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
     procs = {}
     for src in ("verify.cu", "schedule.cu"):
         obj = out / (src + ".o")
-        cmd = [NVCC, "-std=c++17", "-O3", *ARCH, "-I", str(CSRC), "-c", str(CSRC / src), "-o", str(obj)]
+        cmd = [NVCC, "-std=c++17", "-O3", *ARCH, *contract.kernel_define_flags(), "-I", str(CSRC), "-c",
+               str(CSRC / src), "-o", str(obj)]
         procs[src] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), obj)
     result = {}
     for src, (p, obj) in procs.items():
@@ -168,7 +171,7 @@ namespace dspark {
 VerifyParams g_last{};
 size_t verify_workspace_bytes(int32_t R, int32_t K, int32_t V) { return size_t(R) * 1000 + K + V; }
 cudaError_t verify(const VerifyParams& p, void*, size_t, cudaStream_t) { g_last = p; return cudaSuccess; }
-int32_t schedule_max_candidates() { return 16384; }
+int32_t schedule_max_candidates() { return @SCHEDULE_MAX_CANDIDATES@; }
 cudaError_t schedule_prefix(const ScheduleParams&, cudaStream_t) { return cudaSuccess; }
 }
 extern "C" IPluginCreatorInterface* const* getCreators(int32_t& n);
@@ -292,7 +295,8 @@ def test_trt_plugin_drives_through_the_iplugin_v3_interfaces(tmp_path: Path) -> 
     cuda = _cuda_home()
     if cuda is None:
         pytest.skip("CUDA toolkit not found")
-    (tmp_path / "harness.cpp").write_text(HARNESS)
+    (tmp_path / "harness.cpp").write_text(
+        HARNESS.replace("@SCHEDULE_MAX_CANDIDATES@", str(contract.SCHEDULE_MAX_CANDIDATES)))
     exe = tmp_path / "harness"
     cmd = [cxx, "-std=c++17", "-Wno-deprecated-declarations", f"-I{TRT_INCLUDE}", f"-I{cuda / 'include'}",
            f"-I{CSRC}", f"-I{TRT}", str(tmp_path / "harness.cpp"), str(TRT / "dspark_plugin.cpp"), "-o", str(exe),
@@ -325,6 +329,45 @@ def test_cmake_configure_without_tensorrt_builds_the_kernels_only(tmp_path: Path
                          capture_output=True, text=True, env=env, timeout=170)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "DSpark: TensorRT not found" in res.stdout and "Building the kernel library only" in res.stdout
+    assert f"scheduler takes R*K <= {contract.SCHEDULE_MAX_CANDIDATES} (plugins/contract.py)" in res.stdout, res.stdout
+
+
+LIMIT_MAIN = r"""
+#include <cstdio>
+#include "dspark_kernels.h"
+int main() { std::printf("%d\n", dspark::schedule_max_candidates()); return 0; }
+"""
+
+
+@slow
+@needs_nvcc
+def test_compiled_scheduler_limit_is_the_contracts(kernel_objects, tmp_path: Path) -> None:
+    rc, err, obj = kernel_objects["schedule.cu"]
+    assert rc == 0, err
+    (tmp_path / "limit.cpp").write_text(LIMIT_MAIN)
+    exe = tmp_path / "limit"
+    build = subprocess.run([NVCC, "-std=c++17", "-I", str(CSRC), str(tmp_path / "limit.cpp"), str(obj), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=170)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) == contract.SCHEDULE_MAX_CANDIDATES, "schedule.cu must be built with contract.py's limit"
+
+
+@slow
+@needs_nvcc
+def test_scheduler_header_refuses_a_missing_or_oversized_limit(tmp_path: Path) -> None:
+    src = tmp_path / "probe.cu"
+    src.write_text('#include "schedule.cuh"\nint main() { return dspark::detail::kScheduleMaxCandidates > 0 ? 0 : 1; }\n')
+
+    def compile_with(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([NVCC, "-std=c++17", *ARCH, *flags, "-I", str(CSRC), "-c", str(src),
+                               "-o", str(tmp_path / "probe.o")], capture_output=True, text=True, timeout=170)
+
+    missing = compile_with()
+    assert missing.returncode != 0 and "DSPARK_SCHEDULE_MAX_CANDIDATES is not defined" in missing.stderr, missing.stderr
+    too_big = compile_with(f"-DDSPARK_SCHEDULE_MAX_CANDIDATES={2 ** 30}")  # past any one-block launch
+    assert too_big.returncode != 0 and "must fit one block" in too_big.stderr, too_big.stderr
 
 
 # --------------------------------------------------------------------------------------
@@ -409,8 +452,24 @@ def test_extension_sources_exist_and_are_packaged() -> None:
     for f in shipped:
         if f.is_file() and f.suffix != ".pyc":
             assert _packaged(f), f"{f.relative_to(ROOT)} is not in the wheel: pyproject's packages/package-data miss it"
+
+
+
+def test_scheduler_limit_has_one_source_the_contract() -> None:
+    """contract.py holds the R*K limit; the kernel, the op and CMake take it from there."""
+    assert ops.SCHEDULE_MAX_CANDIDATES is contract.SCHEDULE_MAX_CANDIDATES
+    assert contract.kernel_define_flags() == [f"-DDSPARK_SCHEDULE_MAX_CANDIDATES={contract.SCHEDULE_MAX_CANDIDATES}"]
     header = (CSRC / "schedule.cuh").read_text()
-    assert "kScheduleMaxCandidates = 1024 * 16" in header and 1024 * 16 == ops.SCHEDULE_MAX_CANDIDATES
+    assert "kScheduleMaxCandidates = DSPARK_SCHEDULE_MAX_CANDIDATES;" in header
+    literal = str(contract.SCHEDULE_MAX_CANDIDATES)
+    for f in [*CSRC.iterdir(), *TRT.iterdir(), ROOT / "plugins" / "ops.py"]:
+        if f.is_file() and f.suffix != ".pyc":
+            assert literal not in f.read_text(), f"{f.relative_to(ROOT)} repeats the limit; take it from contract.py"
+    # the line CMakeLists.txt parses (same regex, Python syntax) gives contract's value
+    cmake = (ROOT / "plugins" / "CMakeLists.txt").read_text()
+    pattern = re.search(r'contract\.py" DSPARK_LIMIT_LINE REGEX "([^"]+)"', cmake).group(1)
+    lines = [ln for ln in (ROOT / "plugins" / "contract.py").read_text().splitlines() if re.fullmatch(pattern, ln)]
+    assert len(lines) == 1 and int(lines[0].split("=")[1]) == contract.SCHEDULE_MAX_CANDIDATES, lines
 
 
 def test_tensorrt_python_plugins_are_optional() -> None:
