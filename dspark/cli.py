@@ -80,22 +80,17 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from dspark.engine.evaluate import evaluate, print_table, write_results
+    from dspark.engine.evaluate import run_eval
 
     cfg, target, drafter = _run_target_drafter(args, _proposers_need_drafter([args.proposers]))
-    e = cfg.eval
-    tasks = args.tasks.split(",") if args.tasks else e.tasks
-    results = evaluate(target, drafter, tasks, e.temperatures, e.samples_per_task, e.max_new_tokens, e.seed,
-                       cfg.data.data_root, proposers=args.proposers)
-    print_table(results)
-    out = Path(args.output) if args.output else cfg.run_dir / "eval.json"
-    write_results(results, out, {"checkpoint": str(_checkpoint_dir(args, cfg)) if drafter is not None else None,
-                                 "target": cfg.target.name, "proposers": args.proposers})
+    out = run_eval(cfg, target, drafter, _checkpoint_dir(args, cfg) if drafter is not None else None,
+                   tasks=args.tasks.split(",") if args.tasks else None, proposers=args.proposers,
+                   output=Path(args.output) if args.output else None)
     print(f"results: {out}")
 
 
 def cmd_quickstart(args) -> None:
-    from dspark.engine.evaluate import evaluate, print_table, write_results
+    from dspark.engine.evaluate import run_eval
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.data import prepare_data
     from dspark.training.target import load_target
@@ -107,14 +102,10 @@ def cmd_quickstart(args) -> None:
     print(json.dumps(prepare_data(cfg, target), indent=2))
     print("== 2/3 train the drafter")
     ckpt = train(cfg, target)
-    print("== 3/3 evaluate acceptance at batch 1")
+    print("== 3/3 evaluate acceptance at batch 1 (dspark eval)")
     drafter, _, _ = load_checkpoint(ckpt, target)
-    e = cfg.eval
-    results = evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task, e.max_new_tokens, e.seed,
-                       cfg.data.data_root)
-    print_table(results)
-    write_results(results, cfg.run_dir / "eval.json", {"checkpoint": str(ckpt), "target": cfg.target.name})
-    print(f"\ncheckpoint: {ckpt}\nresults: {cfg.run_dir / 'eval.json'}")
+    out = run_eval(cfg, target, drafter, ckpt)
+    print(f"\ncheckpoint: {ckpt}\nresults: {out}")
     print("Scale up: more prompts/steps (data.max_prompts=2000 train.steps=3000), a GPU (train.device=cuda),"
           " several GPUs (torchrun --nproc_per_node 8 -m dspark.cli train ...), or a real target"
           " (target=qwen3-4b target.source=/path/to/Qwen3-4B).")

@@ -4,7 +4,8 @@ Runs the real engine with one request at a time (the report's Table 1 setting: f
 turn, batch 1, full blocks) at each temperature over each task and reports
 ``accept_len`` (mean accepted + 1 per round), ``accept_rate@k`` and, for drafters with a
 confidence head, ECE / AUC / Brier of the cumulative confidence against the accepted
-prefix.
+prefix. ``run_eval`` is the whole of ``dspark eval`` (also the last step of ``dspark
+quickstart``): the run's eval settings, the printed table and ``<run>/eval.json``.
 """
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def evaluate(target, drafter, tasks: list[str], temperatures: list[float], sampl
         results.append({"drafter": label, "task": "overall", "temperature": temp,
                         "samples": samples_per_task * len(tasks), **summarize(all_rounds, K)})
     return results
+
+
+def run_eval(cfg, target, drafter, checkpoint: Path | None, tasks: list[str] | None = None,
+             proposers: str = "neural", output: Path | None = None) -> Path:
+    """Evaluate with ``cfg.eval``'s settings (``tasks`` overrides its task list), print the
+    table and write the results with their provenance to ``output`` (default
+    ``<run>/eval.json``); returns that path. ``checkpoint`` names the drafter (None without one)."""
+    e = cfg.eval
+    results = evaluate(target, drafter, tasks or e.tasks, e.temperatures, e.samples_per_task, e.max_new_tokens,
+                       e.seed, cfg.data.data_root, proposers=proposers)
+    print_table(results)
+    out = output or cfg.run_dir / "eval.json"
+    write_results(results, out, {"checkpoint": None if checkpoint is None else str(checkpoint),
+                                 "target": cfg.target.name, "proposers": proposers})
+    return out
 
 
 def print_table(results: list[dict]) -> None:
