@@ -99,17 +99,21 @@ def _check_temps(temps: Any, k: int) -> torch.Tensor:
     return t[:k]
 
 
-def apply_sts(conf_logits: Any, temps: Any) -> torch.Tensor:
+def apply_sts(conf_logits: Any, temps: Any | None) -> torch.Tensor:
     """Calibrated per-position confidences ``sigmoid(z[:, k] / T_k)``: [N, K] -> [N, K].
 
-    Keeps the input's dtype and device when given a floating tensor (float32 otherwise);
-    ``temps`` may be longer than K (a drafter run with a shorter block).
+    The one place STS is applied: the engine's proposer, ``StsCalibration.apply`` and the exported ONNX step
+    (where ``temps`` is a list, a constant of the graph) call it. ``temps`` None: no
+    calibration, the plain sigmoid. Keeps the input's dtype and device when given a floating
+    tensor (float32 otherwise); ``temps`` may be longer than K (a drafter run with a shorter block).
     """
-    z = torch.as_tensor(conf_logits)
+    z = conf_logits if isinstance(conf_logits, torch.Tensor) else torch.as_tensor(conf_logits)
     if not z.is_floating_point():
         z = z.float()
     if z.dim() < 1:
         raise ValueError("conf_logits must have a trailing position dimension")
+    if temps is None:
+        return torch.sigmoid(z)
     t = _check_temps(temps, z.shape[-1]).to(device=z.device, dtype=z.dtype)
     return torch.sigmoid(z / t)
 

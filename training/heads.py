@@ -40,15 +40,17 @@ class MarkovHead(nn.Module):
             self.cand = nn.Linear(rank + hidden_size, rank)
 
     def features(self, prev_tokens: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """prev_tokens [..., K] (x_{k-1}), hidden [..., K, d] -> (feature [..., K, r], W1 emb [..., K, r]).
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """prev_tokens [..., K] (x_{k-1}), hidden [..., K, d] -> (feature [..., K, r], W1 emb [..., K, r],
+        state after position K [..., r] or None).
 
-        For the RNN head the state runs left to right over K; ``state`` [..., r] continues
-        a previous call (used by step-by-step sampling with K=1).
+        The head steps itself: the vanilla head has no state (every position at once, None); the
+        RNN head runs its state left to right over K, from ``state`` (a previous call's, e.g. one
+        position at a time while sampling) or zeros. Callers pass the returned state back unchanged.
         """
         emb = self.w1(prev_tokens)
         if self.kind == "vanilla":
-            return emb, emb
+            return emb, emb, None
         s = torch.zeros_like(emb[..., 0, :]) if state is None else state
         outs = []
         for k in range(emb.shape[-2]):
@@ -56,10 +58,12 @@ class MarkovHead(nn.Module):
             g = torch.sigmoid(self.gate(z))
             s = g * s + (1 - g) * torch.tanh(self.cand(z))
             outs.append(s)
-        return torch.stack(outs, dim=-2), emb
+        return torch.stack(outs, dim=-2), emb, s
 
     def bias(self, feature: torch.Tensor) -> torch.Tensor:
-        """[..., r] -> [..., V] additive logit correction."""
+        """[..., r] -> [..., V] additive logit correction. ``W2`` is one of a drafting step's two
+        large products (the LM head is the other, ``TargetTiedDrafter.draft_logits``), so it goes
+        through ``cpu_linear.project``, which picks the faster small-row form on CPU inference."""
         return project(self.w2, feature)
 
 

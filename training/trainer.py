@@ -106,17 +106,9 @@ def sample_anchors(b: Batch, blocks: int, gen: torch.Generator) -> torch.Tensor:
 
 def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
     """DSpark / DFlash loss on random anchor blocks."""
-    K = core.cfg.block_size
     anchors = sample_anchors(b, cfg.train.blocks_per_seq, gen)  # [N, nb]
     out = model(b.aux, b.tokens, anchors)
-    offs = torch.arange(1, K + 1, device=anchors.device)
-    tgt_pos = anchors.unsqueeze(-1) + offs  # [N, nb, K] positions predicted
-    N, T = b.tokens.shape
-    valid = (tgt_pos < b.lengths.view(N, 1, 1)) & (tgt_pos >= b.prompt_lens.view(N, 1, 1))
-    safe = tgt_pos.clamp(max=T - 1)
-    labels = b.tokens.gather(1, safe.view(N, -1)).view_as(safe)
-    rows = torch.arange(N, device=safe.device).view(N, 1, 1)
-    target = target_at(core, b, rows, safe - 1)
+    labels, valid, target = labels_at(core, b, core.label_positions(anchors))  # [N, nb, K]
     lc = cfg.algo.loss
     return block_loss(out.logits, target, labels, valid, out.conf_logits,
                       lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma, draft_ids_of(core))
@@ -125,19 +117,28 @@ def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen:
 def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
     """Eagle3 soft-CE with training-time test over ``ttt_steps`` unrolled steps."""
     S = cfg.algo.loss.ttt_steps
-    N, T = b.tokens.shape
     # score the same number of positions as the block drafters see: blocks_per_seq * K
-    n_pos = min(cfg.train.blocks_per_seq * core.cfg.block_size, T)
-    anchors = sample_anchors(b, n_pos, gen) - 1  # entry i: step 0 predicts tokens[i + 2]
-    anchors = anchors.clamp(min=0)
-    h = model(b.aux, b.tokens, S, anchors)  # [S, N, P, d]
-    steps = torch.arange(S, device=anchors.device).view(S, 1, 1)
-    pred = anchors.unsqueeze(0) + 2 + steps  # [S, N, P] predicted token positions
-    valid = (pred < b.lengths.view(1, N, 1)) & (pred >= b.prompt_lens.view(1, N, 1))
-    src = (pred - 1).clamp(max=T - 1)
-    target = target_at(core, b, torch.arange(N, device=src.device).view(1, N, 1), src)
-    logits = core.draft_head(h)
-    return eagle_loss(logits, target, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
+    n_pos = min(cfg.train.blocks_per_seq * core.cfg.block_size, b.tokens.shape[1])
+    entries = core.entries_for(sample_anchors(b, n_pos, gen))  # [N, P]
+    h = model(b.aux, b.tokens, S, entries)  # [S, N, P, d]
+    _, valid, target = labels_at(core, b, core.label_positions(entries, S), row_axis=1)  # [S, N, P]
+    return eagle_loss(core.draft_head(h), target, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
+
+
+def labels_at(core: nn.Module, b: Batch, pred: torch.Tensor, row_axis: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, TargetDist]:
+    """Predicted token positions ``pred`` (a drafter's ``label_positions``: [N, nb, K] for a block
+    drafter, [S, N, P] for Eagle3; ``row_axis`` is the batch row's axis) -> (labels, valid, the
+    target's next-token distribution there), each shaped like ``pred``. Valid: an answer token
+    (inside the record, past its prompt)."""
+    N, T = b.tokens.shape
+    shape = [1] * pred.dim()
+    shape[row_axis] = N
+    valid = (pred < b.lengths.view(shape)) & (pred >= b.prompt_lens.view(shape))
+    safe = pred.clamp(max=T - 1)
+    rows = torch.arange(N, device=pred.device).view(shape)
+    labels = b.tokens[rows.expand_as(safe), safe]
+    return labels, valid, target_at(core, b, rows, safe - 1)
 
 
 @torch.no_grad()

@@ -9,12 +9,16 @@ aux                   [R, T, m*d] f32   target features of the context (layer_id
 ctx_lens              [R] int64         valid context length; the block sees positions < ctx_lens
 anchor                [R] int64         last committed token (block slot 0)
 anchor_pos            [R] int64         its position (usually == ctx_lens)
+temperature           [R] f32           ``sampled=True`` only: the draft temperature (0 = greedy row)
+noise                 [R, K, N] f32     ``sampled=True`` only: race noise E of each draft position
+                                        and draft column (``dspark.plugins.coupled.race_noise``)
 ====================  ================  =====================================================
 
 ====================  ================  =====================================================
 output                shape             meaning
 ====================  ================  =====================================================
-draft_tokens          [R, K] int64      greedy drafts (target ids), left to right through the Markov head
+draft_tokens          [R, K] int64      drafts (target ids), left to right through the Markov head:
+                                        argmax, or ``argmax(softmax(logits / T) / E_k)`` when sampled
 draft_logits          [R, K, N] f32     corrected logits U_k + W2(W1[x_{k-1}]) the drafts came from
                                         (draft probabilities = softmax(draft_logits / T)); N = V,
                                         or the draft vocabulary's size: entry i is target id
@@ -24,10 +28,12 @@ confidence            [R, K] f32        sigmoid(conf_logits / sts_temperature_k)
 verify_lens           [R] int64         DSparkSchedule plugin node (report Alg. 1) on ``confidence``
 ====================  ================  =====================================================
 
-The block runs as in ``BlockDrafter.propose``: fc + RMSNorm on the context, draft layers
-over [context K/V ; block K/V], LM head, then K unrolled steps of argmax through the
-Markov head (``training/heads.py``, the same modules). DFlash drafters (no heads) export
-without ``conf_logits``/``confidence``/``verify_lens``; Eagle3 is not a block drafter.
+The step is the drafter's own ``BlockDrafter.draft_block``, the engine's path: fc + RMSNorm
+on the context, the block layout of ``block_inputs``, draft layers over [context K/V ; block
+K/V], LM head, then ``sample_sequential`` through the heads (``training/heads.py``) choosing
+by argmax (or the race against ``noise``); confidences through ``engine.sts.apply_sts``.
+DFlash drafters (no heads) export without ``conf_logits``/``confidence``/``verify_lens``;
+Eagle3 is not a block drafter.
 
 ``DSparkSchedule`` follows ``dspark.plugins.contract`` (op_type, domain ``trt.plugins``,
 ``plugin_version``, ``plugin_namespace``, ``block_size``, ``sps_table`` FLOATS): that is what
@@ -39,9 +45,9 @@ disk keeps the TensorRT contract.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -50,6 +56,9 @@ import torch
 from torch import nn
 
 from dspark.plugins import contract
+from dspark.training.models.block_drafter import draft_distribution
+
+from ..sts import apply_sts
 
 __all__ = [
     "DraftStep", "OnnxExportError", "INPUT_NAMES", "export_onnx", "append_schedule_node", "flat_sps_table",
@@ -57,6 +66,7 @@ __all__ = [
 ]
 
 INPUT_NAMES = ["aux", "ctx_lens", "anchor", "anchor_pos"]
+SAMPLED_INPUT_NAMES = ["temperature", "noise"]  # the inputs of a graph exported with sampled=True
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 
 
@@ -65,57 +75,56 @@ class OnnxExportError(RuntimeError):
 
 
 class DraftStep(nn.Module):
-    """One drafter step as a pure function of tensors (what the ONNX graph computes)."""
+    """One drafter step as a pure function of tensors (what the ONNX graph computes): the
+    drafter's own ``draft_block`` (block layout, draft layers, ``sample_sequential``) choosing
+    each draft by argmax, or with ``sampled`` by the exponential race against fed noise, and the
+    confidences through ``engine.sts.apply_sts``."""
 
-    def __init__(self, drafter: nn.Module, sts_temperatures: Sequence[float] | None = None):
+    def __init__(self, drafter: nn.Module, sts_temperatures: Sequence[float] | None = None, sampled: bool = False):
         super().__init__()
         cfg = drafter.cfg
-        if cfg.algo not in ("dspark", "dflash"):
-            raise OnnxExportError(f"ONNX export covers block drafters (dspark, dflash), not {cfg.algo!r}")
+        if not hasattr(drafter, "draft_block"):
+            raise OnnxExportError(f"ONNX export covers block drafters, not a {cfg.algo!r} drafter")
         self.drafter = drafter
         self.K = cfg.block_size
+        self.sampled = sampled
         self.has_conf = getattr(drafter, "confidence", None) is not None
-        temps = torch.ones(self.K) if sts_temperatures is None else torch.as_tensor(sts_temperatures, dtype=torch.float32)
-        if temps.shape != (self.K,) or not bool((temps > 0).all()):
-            raise OnnxExportError(f"STS temperatures must be {self.K} positive numbers, got {temps.tolist()}")
-        self.register_buffer("inv_sts", 1.0 / temps, persistent=False)
+        temps = [1.0] * self.K if sts_temperatures is None else [float(t) for t in sts_temperatures]
+        if len(temps) != self.K or not all(t > 0 for t in temps):
+            raise OnnxExportError(f"STS temperatures must be {self.K} positive numbers, got {temps}")
+        self.sts_temperatures = temps
 
-    def forward(self, aux: torch.Tensor, ctx_lens: torch.Tensor, anchor: torch.Tensor, anchor_pos: torch.Tensor):
-        d, K = self.drafter, self.K
+    def forward(self, aux: torch.Tensor, ctx_lens: torch.Tensor, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None):
+        """The graph's inputs (module docstring); with ``sampled``: temperature [R] (0 = greedy row)
+        and noise [R, K, N], the race noise ``E`` of every draft position and draft column."""
+        d = self.drafter
         # positions 0..T-1 without a Python-side shape (keeps T dynamic in the trace)
         pos = torch.cumsum(torch.ones_like(aux[..., 0], dtype=torch.long), dim=1) - 1  # [R, T]
-        h_ctx = d.context(aux)  # [R, T, d]
-        ctx_kv = d.context_kv(h_ctx, pos)
+        ctx_kv = d.context_kv(d.context(aux), pos)
         valid = pos < ctx_lens.unsqueeze(-1)  # [R, T]
-        offs = torch.arange(K, dtype=torch.long)
-        blk = torch.where(offs == 0, anchor.unsqueeze(-1), torch.full_like(anchor.unsqueeze(-1), d.cfg.mask_token_id))  # [R, K]
-        bpos = anchor_pos.unsqueeze(-1) + offs  # [R, K]
-        own = torch.ones_like(bpos, dtype=torch.bool).unsqueeze(-1).expand(-1, -1, K)  # [R, K, K]
-        mask = torch.cat([valid.unsqueeze(1).expand(-1, K, -1), own], dim=-1)  # [R, K, T+K]
-        hidden = d.block_hidden(blk, bpos, ctx_kv, mask)  # [R, K, d]
-        base = d.draft_head(hidden).float()  # [R, K, N]
-        prev, state = d.to_draft(anchor), None
-        tokens, logits, confs = [], [], []
-        for k in range(K):
-            step = base[:, k]
-            if d.markov is not None:
-                feat, emb = d.markov.features(prev.unsqueeze(-1), hidden[:, k:k + 1], state)
-                feat, emb = feat[:, 0], emb[:, 0]
-                state = feat if d.markov.kind == "rnn" else None
-                step = step + d.markov.bias(feat).float()
-            else:
-                emb = hidden.new_zeros(hidden.shape[0], 0)
-            if self.has_conf:
-                confs.append(d.confidence(hidden[:, k], emb).float())
-            x = step.argmax(dim=-1)
-            tokens.append(x)
-            logits.append(step)
-            prev = x
-        out = (d.to_target(torch.stack(tokens, 1)), torch.stack(logits, 1))
+        choose = race_chooser(temperature, noise) if self.sampled else argmax_chooser
+        draft = d.draft_block(anchor, anchor_pos, ctx_kv, valid, choose)
+        out = (d.to_target(draft.tokens), draft.kept)
         if self.has_conf:
-            conf_logits = torch.stack(confs, 1)
-            out = out + (conf_logits, torch.sigmoid(conf_logits * self.inv_sts))
+            out = out + (draft.conf_logits, apply_sts(draft.conf_logits, self.sts_temperatures))
         return out
+
+
+def argmax_chooser(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy drafts, keeping the corrected logits (the graph's ``draft_logits``)."""
+    return logits.argmax(dim=-1), logits
+
+
+def race_chooser(temperature: torch.Tensor, noise: torch.Tensor):
+    """Sampled drafts as tensors only: ``argmax(softmax(logits / T) / E_k)`` per row with race
+    noise ``E`` [R, K, N] (``dspark.plugins.coupled``; the engine's ``RaceNoise`` draws the same
+    values from its hash), the argmax for rows at temperature 0."""
+    def choose(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = draft_distribution(logits, temperature)
+        raced = (probs / noise[:, k]).argmax(dim=-1)
+        return torch.where(temperature > 0, raced, logits.argmax(dim=-1)), logits
+    return choose
 
 
 def output_names(has_conf: bool) -> list[str]:
@@ -128,13 +137,20 @@ def flat_sps_table(n_tokens: int) -> list[float]:
     return [1.0] * (n_tokens + 1)
 
 
-def _example_inputs(drafter, R: int = 2, T: int = 8):
+def input_names(sampled: bool) -> list[str]:
+    return INPUT_NAMES + (SAMPLED_INPUT_NAMES if sampled else [])
+
+
+def _example_inputs(drafter, R: int = 2, T: int = 8, sampled: bool = False):
     g = torch.Generator().manual_seed(0)
     cfg = drafter.cfg
     aux = torch.randn(R, T, cfg.num_aux_layers * cfg.hidden_size, generator=g)
     lens = torch.full((R,), T, dtype=torch.long)
     anchor = torch.randint(0, cfg.vocab_size, (R,), generator=g)
-    return aux, lens, anchor, lens.clone()
+    if not sampled:
+        return aux, lens, anchor, lens.clone()
+    noise = torch.empty(R, cfg.block_size, drafter.draft_vocab_size).exponential_(generator=g)
+    return aux, lens, anchor, lens.clone(), torch.ones(R), noise
 
 
 def append_schedule_node(model, block_size: int, sps_table: Sequence[float], confidence: str = "confidence"):
@@ -149,18 +165,6 @@ def append_schedule_node(model, block_size: int, sps_table: Sequence[float], con
     if not any(o.domain == spec["domain"] for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(spec["domain"], contract.ONNX_DOMAIN_VERSION))
     return model
-
-
-class _SdpaBoolGqa:
-    """torch.nn.functional with ``enable_gqa`` coerced to a Python bool: under tracing the
-    drafter's ``k.shape[1] != q.shape[1]`` is a tensor, which SDPA's signature refuses."""
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    @staticmethod
-    def scaled_dot_product_attention(*args, enable_gqa=False, **kwargs):
-        return torch.nn.functional.scaled_dot_product_attention(*args, enable_gqa=bool(enable_gqa), **kwargs)
 
 
 def _rms_norm_symbolic(g, x, normalized_shape, weight, eps):
@@ -180,25 +184,22 @@ def _rms_norm_symbolic(g, x, normalized_shape, weight, eps):
 _SYMBOLICS_DONE = False
 
 
-@contextlib.contextmanager
-def _export_shims():
+def register_symbolics() -> None:
+    """Register the ONNX symbolic of ``aten::rms_norm`` (``_rms_norm_symbolic``) once per process:
+    opset 17 has no RMSNormalization, and the drafter's norms are ``nn.RMSNorm``. The exporter's
+    documented hook; nothing of the model is replaced."""
     global _SYMBOLICS_DONE
     if not _SYMBOLICS_DONE:
         torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, 17)
         _SYMBOLICS_DONE = True
-    from dspark.training.models import layers
-
-    saved = layers.F
-    layers.F = _SdpaBoolGqa()
-    try:
-        yield
-    finally:
-        layers.F = saved
 
 
 def export_onnx(drafter: nn.Module, path: str | Path, *, sps_table: Sequence[float] | None = None,
-                sts_temperatures: Sequence[float] | None = None, opset: int = 17, max_tokens: int = 64 * 8) -> dict:
+                sts_temperatures: Sequence[float] | None = None, opset: int = 17, max_tokens: int = 64 * 8,
+                sampled: bool = False) -> dict:
     """Export the drafter step (+ DSparkSchedule when the drafter has a confidence head) to ``path``.
+    ``sampled``: the graph also takes ``temperature`` and ``noise`` and samples its drafts
+    (``DraftStep``); the default graph drafts greedily.
 
     Weights go to ``<path>.data`` (external data) when the model exceeds protobuf's 2 GB limit
     is a risk; small models stay in one file. Returns a summary for the manifest.
@@ -207,16 +208,22 @@ def export_onnx(drafter: nn.Module, path: str | Path, *, sps_table: Sequence[flo
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    step = DraftStep(drafter, sts_temperatures).eval()
-    names_out = output_names(step.has_conf)
+    step = DraftStep(drafter, sts_temperatures, sampled=sampled).eval()
+    names_in, names_out = input_names(sampled), output_names(step.has_conf)
     dyn = {"aux": {0: "R", 1: "T"}, "ctx_lens": {0: "R"}, "anchor": {0: "R"}, "anchor_pos": {0: "R"},
            "draft_tokens": {0: "R"}, "draft_logits": {0: "R"}}
+    if sampled:
+        dyn.update({"temperature": {0: "R"}, "noise": {0: "R"}})
     if step.has_conf:
         dyn.update({"conf_logits": {0: "R"}, "confidence": {0: "R"}})
     tmp = path.with_name(path.name + ".raw")
-    with torch.no_grad(), _export_shims():
-        torch.onnx.export(step, _example_inputs(drafter), str(tmp), input_names=INPUT_NAMES, output_names=names_out,
-                          dynamic_axes=dyn, opset_version=opset, dynamo=False, do_constant_folding=True)
+    register_symbolics()
+    with torch.no_grad(), warnings.catch_warnings():
+        # the STS temperatures become constants of the graph, which is what the tracer warns of
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"dspark\.engine\.sts")
+        torch.onnx.export(step, _example_inputs(drafter, sampled=sampled), str(tmp), input_names=names_in,
+                          output_names=names_out, dynamic_axes=dyn, opset_version=opset, dynamo=False,
+                          do_constant_folding=True)
     model = onnx.load(str(tmp))
     tmp.unlink()
     table = list(sps_table) if sps_table is not None else flat_sps_table(max_tokens)
@@ -230,7 +237,7 @@ def export_onnx(drafter: nn.Module, path: str | Path, *, sps_table: Sequence[flo
     else:
         onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))  # the plugin domain is unknown to the checker; it only checks structure
-    return {"file": path.name, "opset": opset, "inputs": INPUT_NAMES,
+    return {"file": path.name, "opset": opset, "inputs": names_in,
             "outputs": names_out + (["verify_lens"] if step.has_conf else []),
             "plugin_nodes": [contract.OP_SCHEDULE] if step.has_conf else [], "external_data": external,
             "sps_table_entries": len(table), "sps_table_placeholder": sps_table is None,
@@ -307,7 +314,7 @@ class ParityCase:
     batch: int
     context: int
     max_abs_logit_diff: float
-    greedy_draft_match: float
+    greedy_draft_match: float  # share of drafts identical (greedy, or sampled with the same noise)
     ort_ms: float
     torch_ms: float
     conf_max_abs_diff: float | None = None
@@ -331,16 +338,21 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def parity_case(step: DraftStep, session, aux: torch.Tensor, ctx_lens: torch.Tensor, anchor: torch.Tensor,
-                anchor_pos: torch.Tensor, sps_table: Sequence[float] | None = None, repeats: int = 3) -> ParityCase:
-    """Run the same inputs through PyTorch (eager ``DraftStep``) and ONNX Runtime; compare."""
+                anchor_pos: torch.Tensor, sps_table: Sequence[float] | None = None, repeats: int = 3,
+                temperature: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> ParityCase:
+    """Run the same inputs through PyTorch (eager ``DraftStep``) and ONNX Runtime; compare.
+    A sampled step (``DraftStep(sampled=True)``) takes ``temperature`` and ``noise`` too, fed to both."""
     from dspark.plugins.reference import schedule_prefix
 
+    args = (aux, ctx_lens, anchor, anchor_pos) + ((temperature, noise) if step.sampled else ())
     feeds = {"aux": aux.float().numpy(), "ctx_lens": ctx_lens.long().numpy(), "anchor": anchor.long().numpy(),
              "anchor_pos": anchor_pos.long().numpy()}
+    if step.sampled:
+        feeds.update({"temperature": temperature.float().numpy(), "noise": noise.float().numpy()})
     names = [o.name for o in session.get_outputs()]
     with torch.inference_mode():
-        ref = step(aux, ctx_lens, anchor, anchor_pos)
-        torch_ms = _median_ms(lambda: step(aux, ctx_lens, anchor, anchor_pos), repeats)
+        ref = step(*args)
+        torch_ms = _median_ms(lambda: step(*args), repeats)
     got = dict(zip(names, session.run(names, feeds)))
     ort_ms = _median_ms(lambda: session.run(names, feeds), repeats)
     tokens = torch.from_numpy(got["draft_tokens"])

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from ..draft_runner import make_draft_runner
+from ..sts import apply_sts
 from .base import DraftBatch, Proposer, ProposerCost
 
 __all__ = ["NeuralProposer", "MAX_BACKLOG_TOKENS"]
@@ -129,8 +130,7 @@ class NeuralProposer(Proposer):
         conf_logits = None
         if prop.conf_logits is not None:
             conf_logits = prop.conf_logits.float().cpu()
-            z = conf_logits if self.sts is None else conf_logits / self.sts[:K].clamp(min=1e-4)
-            confidence = torch.sigmoid(z)
+            confidence = apply_sts(conf_logits, self.sts)
         else:
             confidence = torch.ones(R, K)
         return DraftBatch(tokens=tokens, lens=torch.full((R,), K, dtype=torch.long), confidence=confidence,

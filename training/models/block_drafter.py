@@ -12,13 +12,13 @@ DFlash is this model with the Markov and confidence heads switched off.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from dspark.plugins.coupled import RaceNoise
 
-from ..cpu_linear import project
 from ..draft_vocab import scatter_to_vocab
 from ..heads import ConfidenceHead, MarkovHead
 from .layers import TargetTiedDrafter
@@ -47,6 +47,15 @@ class BlockOutput:
     logits: torch.Tensor  # [..., K, V] corrected logits (Markov bias added when present)
     conf_logits: torch.Tensor | None  # [..., K] confidence logits, or None
     hidden: torch.Tensor  # [..., K, d]
+    state: torch.Tensor | None = None  # [..., r] the Markov head's state after position K (RNN head), or None
+
+
+@dataclass
+class BlockInputs:
+    """What the draft layers read for ``nb`` blocks per row, flattened to ``Q = nb * K`` queries."""
+    tokens: torch.Tensor  # [N, Q] per block [anchor, mask, ..., mask]
+    positions: torch.Tensor  # [N, Q] per block a .. a+K-1
+    mask: torch.Tensor  # [N, Q, T + Q] bool: the block's visible context ; its own block's queries
 
 
 class BlockDrafter(TargetTiedDrafter):
@@ -70,85 +79,99 @@ class BlockDrafter(TargetTiedDrafter):
         cos, sin = self.rope(positions, h_ctx.dtype)
         return [layer.kv(h_ctx, cos, sin) for layer in self.layers]
 
-    def block_hidden(self, block_tokens: torch.Tensor, block_pos: torch.Tensor,
-                     ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
-        """block_tokens/pos [N, Q]; mask [N, Q, T+Q] -> normed hidden [N, Q, d]."""
-        h = self.embed(block_tokens)
-        cos, sin = self.rope(block_pos, h.dtype)
+    # -- the block layout, for training, proposing and export alike ------------------------------
+    def block_inputs(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, visible: torch.Tensor) -> BlockInputs:
+        """anchor / anchor_pos [N, nb] (token and position of each block's anchor), visible
+        [N, nb, T] bool (the context positions each block may see) -> the blocks' inputs.
+
+        Block ``b`` is ``[anchor, mask x (K-1)]`` at positions ``a_b .. a_b+K-1``; its queries see
+        ``visible[:, b]`` of the context and every query of their own block (non-causal), never
+        another block. Written with broadcasts only, so it exports to ONNX as it runs."""
+        K = self.cfg.block_size
+        offs = torch.arange(K, device=anchor.device)
+        tokens = torch.where(offs == 0, anchor.unsqueeze(-1), torch.full_like(anchor.unsqueeze(-1), self.cfg.mask_token_id))
+        positions = anchor_pos.unsqueeze(-1) + offs  # [N, nb, K]
+        ctx = visible.unsqueeze(2).expand(-1, -1, K, -1).flatten(1, 2)  # [N, Q, T]
+        blk = torch.arange(anchor.shape[1], device=anchor.device).view(-1, 1).expand(-1, K).reshape(-1)  # [Q]: block of each query
+        own = (blk.unsqueeze(-1) == blk.unsqueeze(0)).expand(ctx.shape[0], -1, -1)  # [N, Q, Q]
+        return BlockInputs(tokens.flatten(1, 2), positions.flatten(1, 2), torch.cat([ctx, own], dim=-1))
+
+    def label_positions(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [...] -> [..., K]: output k (0-based) of the block at ``a`` predicts token ``a+k+1``
+        (and reads ``x_{k}`` = the token at ``a+k`` through the Markov head, ``x_0`` = the anchor)."""
+        return anchors.unsqueeze(-1) + 1 + torch.arange(self.cfg.block_size, device=anchors.device)
+
+    def block_hidden(self, inputs: BlockInputs, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The draft layers over ``inputs`` with the context's K/V -> normed hidden [N, Q, d]."""
+        h = self.embed(inputs.tokens)
+        cos, sin = self.rope(inputs.positions, h.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, cos, sin, k, v, mask)
+            h = layer(h, cos, sin, k, v, inputs.mask)
         return self.norm(h)
 
-    def block_tokens(self, anchor: torch.Tensor) -> torch.Tensor:
-        """anchor [...] -> [..., K] = [anchor, mask, ..., mask]."""
-        K = self.cfg.block_size
-        out = torch.full(anchor.shape + (K,), self.cfg.mask_token_id, dtype=torch.long, device=anchor.device)
-        out[..., 0] = anchor
-        return out
-
-    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> BlockOutput:
-        """Teacher-forced heads: hidden [..., K, d], prev_tokens x_{k-1} [..., K] (target ids).
+    def heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, base: torch.Tensor | None = None,
+              state: torch.Tensor | None = None) -> BlockOutput:
+        """The heads over K positions given their previous tokens (teacher-forced in training; one
+        position at a time in ``sample_sequential``): hidden [..., K, d], prev_tokens x_{k-1} [..., K]
+        (target ids); ``base`` [..., K, N]: the block's logits when already computed; ``state``: the
+        Markov head's state before position 1 (``BlockOutput.state`` of the previous call).
         Logits are over the draft vocabulary."""
-        logits = project(self.draft_head, hidden)
+        logits = self.draft_logits(hidden) if base is None else base
         conf = None
         if self.markov is not None:
-            feat, emb = self.markov.features(self.to_draft(prev_tokens), hidden)
+            feat, emb, state = self.markov.features(self.to_draft(prev_tokens), hidden, state)
             logits = logits + self.markov.bias(feat)
         else:
             emb = hidden.new_zeros(hidden.shape[:-1] + (0,))
         if self.confidence is not None:
             conf = self.confidence(hidden, emb)
-        return BlockOutput(logits=logits, conf_logits=conf, hidden=hidden)
+        return BlockOutput(logits=logits, conf_logits=conf, hidden=hidden, state=state)
 
     # -- training -----------------------------------------------------------------------------
     def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> BlockOutput:
         """aux [N, T, m*d], tokens [N, T], anchors [N, nb] (positions, all < T).
 
-        Returns outputs shaped [N, nb, K, ...]; block b's output k predicts tokens[a_b + k].
+        Returns outputs shaped [N, nb, K, ...]; block b's output k predicts
+        ``tokens[label_positions(anchors)[:, b, k]]``.
         """
         N, T = tokens.shape
         nb, K = anchors.shape[1], self.cfg.block_size
-        h_ctx = self.context(aux)
-        ctx_pos = torch.arange(T, device=tokens.device).expand(N, T)
-        ctx_kv = self.context_kv(h_ctx, ctx_pos)
-        anchor_tok = tokens.gather(1, anchors)  # [N, nb]
-        blk = self.block_tokens(anchor_tok).reshape(N, nb * K)
-        offs = torch.arange(K, device=tokens.device)
-        blk_pos = (anchors.unsqueeze(-1) + offs).reshape(N, nb * K)
-        # context visibility: block b sees positions < a_b; own keys: same block only
-        q_anchor = anchors.repeat_interleave(K, dim=1)  # [N, Q]
-        ctx_mask = torch.arange(T, device=tokens.device).view(1, 1, T) < q_anchor.unsqueeze(-1)
-        blk_id = torch.arange(nb, device=tokens.device).repeat_interleave(K)
-        own = (blk_id.view(-1, 1) == blk_id.view(1, -1)).expand(N, -1, -1)
-        mask = torch.cat([ctx_mask, own], dim=-1)
-        hidden = self.block_hidden(blk, blk_pos, ctx_kv, mask).view(N, nb, K, -1)
-        # teacher forcing: x_{k-1} = tokens[a + k - 1] (x_0 = anchor)
-        prev_pos = (anchors.unsqueeze(-1) + offs).clamp(max=T - 1)
+        ctx_pos = torch.arange(T, device=tokens.device)
+        ctx_kv = self.context_kv(self.context(aux), ctx_pos.expand(N, T))
+        visible = ctx_pos.view(1, 1, T) < anchors.unsqueeze(-1)  # block b sees positions < a_b
+        inputs = self.block_inputs(tokens.gather(1, anchors), anchors, visible)
+        hidden = self.block_hidden(inputs, ctx_kv).view(N, nb, K, -1)
+        # teacher forcing: x_{k-1} = the token before the one output k predicts (x_0 = anchor)
+        prev_pos = (self.label_positions(anchors) - 1).clamp(max=T - 1)
         prev = tokens.gather(1, prev_pos.reshape(N, -1)).view(N, nb, K)
         return self.heads(hidden, prev)
 
     # -- inference ----------------------------------------------------------------------------
+    def draft_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
+                    ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor,
+                    choose: "Chooser") -> "SequentialDraft":
+        """One parallel pass over the block, then the heads left to right (``sample_sequential``)
+        with ``choose`` picking each draft: the engine's ``propose`` and the ONNX step both run this.
+
+        anchor/anchor_pos [R]; ctx_kv per layer [R, Hkv, T, hd]; ctx_valid [R, T] bool."""
+        inputs = self.block_inputs(anchor.unsqueeze(-1), anchor_pos.unsqueeze(-1), ctx_valid.unsqueeze(1))
+        hidden = self.block_hidden(inputs, ctx_kv)  # [R, K, d]
+        base = self.draft_logits(hidden).float()  # [R, K, N]
+        return sample_sequential(self, base, hidden, anchor, choose)
+
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, anchor_pos: torch.Tensor,
                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor,
                 temperature: torch.Tensor, noise: RaceNoise | None = None) -> "Proposal":
-        """Draft K tokens for R requests in one parallel pass, then the sequential heads.
+        """Draft K tokens for R requests (``draft_block``) at their temperatures.
 
-        anchor/anchor_pos [R]; ctx_kv per layer [R, Hkv, T, hd]; ctx_valid [R, T] bool;
         temperature [R] (0 = greedy drafts); ``noise``: the sampled drafts' race noise (see
         ``draw``). Draft probabilities are those of the corrected logits at the request's
         temperature (what rejection sampling needs), over the target's vocabulary; drafts
         are target ids.
         """
-        K = self.cfg.block_size
-        R = anchor.shape[0]
-        blk = self.block_tokens(anchor)
-        pos = anchor_pos.unsqueeze(-1) + torch.arange(K, device=anchor.device)
-        mask = torch.cat([ctx_valid.unsqueeze(1).expand(R, K, -1),
-                          torch.ones(R, K, K, dtype=torch.bool, device=anchor.device)], dim=-1)
-        hidden = self.block_hidden(blk, pos, ctx_kv, mask)  # [R, K, d]
-        base = project(self.draft_head, hidden).float()  # [R, K, N]
-        return sample_sequential(self, base, hidden, anchor, temperature, noise)
+        draft = self.draft_block(anchor, anchor_pos, ctx_kv, ctx_valid, engine_chooser(self, temperature, noise))
+        return to_target_vocab(self, Proposal(tokens=draft.tokens, probs=draft.kept, conf_logits=draft.conf_logits))
 
 
 @dataclass
@@ -209,39 +232,49 @@ def pick(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | Non
     return draw(p, temperature, noise, k, ids), p
 
 
-def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
-                      temperature: torch.Tensor, noise: RaceNoise | None) -> Proposal:
-    """Left-to-right sampling through the Markov head: x_k ~ softmax(U_k + W2(W1[x_{k-1}])).
+# choose(corrected logits [R, N] of draft k, k) -> (draft indices [R], what to keep of position k or None)
+Chooser = Callable[[torch.Tensor, int], tuple[torch.Tensor, "torch.Tensor | None"]]
 
-    ``base`` [R, K, N] are the parallel logits over the draft vocabulary; draft k draws with
-    ``noise`` at offset k (``draw``); the proposal is mapped to target ids and
-    target-vocabulary probabilities."""
-    R, K, V = base.shape
+
+@dataclass
+class SequentialDraft:
+    tokens: torch.Tensor  # [R, K] drafts as draft-vocabulary indices
+    kept: torch.Tensor | None  # [R, K, ...] what the chooser kept per position (None if it kept nothing)
+    conf_logits: torch.Tensor | None  # [R, K] confidence logits, or None without a confidence head
+
+
+def engine_chooser(model, temperature: torch.Tensor, noise: RaceNoise | None) -> Chooser:
+    """The engine's choice (``pick``): greedy or sampled per row, keeping the draft distributions
+    (none for an all-greedy batch)."""
     all_greedy = not bool((temperature > 0).any())
-    tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
-    probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=base.device)
-    confs = [] if model.confidence is not None else None
     ids = noise_ids(model)
-    prev = model.to_draft(anchor)
-    state = None
+    return lambda logits, k: pick(logits, temperature, noise, all_greedy, k, ids)
+
+
+def sample_sequential(model: BlockDrafter, base: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
+                      choose: Chooser) -> SequentialDraft:
+    """Left-to-right drafting through the heads: x_k = choose(U_k + W2(W1[x_{k-1}])), x_0 = the anchor.
+
+    The one sequential loop of the kit: the engine (``propose``, sampled or greedy), the ONNX
+    step (argmax, or the race against fed noise) and tests run it. ``base`` [R, K, N] are the
+    block's parallel logits over the draft vocabulary, ``hidden`` [R, K, d] its hidden states,
+    ``anchor`` [R] a target id; each position runs ``model.heads`` on that one position (the
+    Markov head carries its own state)."""
+    K = base.shape[1]
+    tokens, kept, confs = [], [], []
+    prev, state = anchor, None
     for k in range(K):
-        logits = base[:, k]
-        if model.markov is not None:
-            feat, emb = model.markov.features(prev.unsqueeze(-1), hidden[:, k:k + 1], state)
-            feat, emb = feat[:, 0], emb[:, 0]
-            state = feat if model.markov.kind == "rnn" else None
-            logits = logits + model.markov.bias(feat).float()
-        else:
-            emb = hidden.new_zeros(R, 0)
-        if confs is not None:
-            confs.append(model.confidence(hidden[:, k], emb))
-        x, p = pick(logits, temperature, noise, all_greedy, k, ids)
-        tokens[:, k] = x
-        if probs is not None:
-            probs[:, k] = p
-        prev = x
-    return to_target_vocab(model, Proposal(tokens=tokens, probs=probs,
-                                           conf_logits=torch.stack(confs, -1) if confs is not None else None))
+        out = model.heads(hidden[:, k:k + 1], prev.unsqueeze(-1), base[:, k:k + 1], state)
+        state = out.state
+        x, keep = choose(out.logits[:, 0].float(), k)
+        tokens.append(x)
+        kept.append(keep)
+        if out.conf_logits is not None:
+            confs.append(out.conf_logits[:, 0])
+        prev = model.to_target(x)
+    return SequentialDraft(tokens=torch.stack(tokens, 1),
+                           kept=None if kept[0] is None else torch.stack(kept, 1),
+                           conf_logits=torch.stack(confs, 1) if confs else None)
 
 
 def to_target_vocab(model, proposal: Proposal) -> Proposal:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cpu_linear import project
 from .block_drafter import DrafterConfig, Proposal, noise_ids, pick, to_target_vocab
 from .layers import DraftLayer, Eagle3Layer, TargetTiedDrafter
 
@@ -59,6 +58,17 @@ class Eagle3Drafter(TargetTiedDrafter):
         return x, new_kv
 
     # -- training -----------------------------------------------------------------------------
+    @staticmethod
+    def entries_for(anchors: torch.Tensor) -> torch.Tensor:
+        """The entries whose step 0 predicts what a block anchored at ``anchors`` predicts first
+        (token ``a+1``): entry ``a-1`` (entry 0 for an anchor at 0)."""
+        return (anchors - 1).clamp(min=0)
+
+    @staticmethod
+    def label_positions(entries: torch.Tensor, steps: int) -> torch.Tensor:
+        """entries [...] -> [steps, ...]: step k's output at entry i predicts token ``i + 2 + k``."""
+        return entries.unsqueeze(0) + 2 + torch.arange(steps, device=entries.device).view(-1, *([1] * entries.dim()))
+
     def forward_train(self, aux: torch.Tensor, tokens: torch.Tensor, steps: int,
                       positions: torch.Tensor | None = None) -> torch.Tensor:
         """aux [N, T, m*d], tokens [N, T] -> normed hidden [steps, N, P, d] (LM head input) at
@@ -116,7 +126,7 @@ class Eagle3Drafter(TargetTiedDrafter):
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
-            x, p = pick(project(self.draft_head, self.norm(h)).float(), temperature, noise, all_greedy, k, ids)
+            x, p = pick(self.draft_logits(self.norm(h)).float(), temperature, noise, all_greedy, k, ids)
             tokens[:, k] = x
             if probs is not None:
                 probs[:, k] = p

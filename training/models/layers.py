@@ -24,6 +24,7 @@ from torch import nn
 
 
 from ..config import LAYER_STYLES
+from ..cpu_linear import project
 
 
 @dataclass
@@ -100,6 +101,18 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """Masked attention: q [N, H, Q, hd], k/v [N, H / groups, S, hd], mask [N, Q, S] bool
+    (True = may attend) -> [N, H, Q, hd]; ``groups`` query heads share each K/V head.
+
+    Grouped K/V heads use SDPA's ``enable_gqa``, which the ONNX exporter cannot convert; while
+    exporting they are repeated to H heads instead, the same product written out."""
+    if groups > 1 and torch.onnx.is_in_onnx_export():
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=groups > 1)
+
+
 class DraftLayer(nn.Module):
     """Pre-norm decoder layer attending over [external context K/V ; own K/V]."""
 
@@ -144,11 +157,7 @@ class DraftLayer(nn.Module):
         if ctx_k is not None:
             k = torch.cat([ctx_k, k], dim=2)
             v = torch.cat([ctx_v, v], dim=2)
-        rep = self.s.num_heads // self.s.num_kv_heads
-        if rep > 1 and torch.onnx.is_in_onnx_export():  # exporters lack SDPA's enable_gqa
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1),
-                                              enable_gqa=bool(rep > 1 and not torch.onnx.is_in_onnx_export()))
+        attn = attend(q, k, v, mask, self.s.num_heads // self.s.num_kv_heads)
         N, _, Q, _ = attn.shape
         h = self.residual(h) + self.o_proj(attn.transpose(1, 2).reshape(N, Q, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -249,6 +258,14 @@ class TargetTiedDrafter(nn.Module):
     def to_target(self, indices: torch.Tensor) -> torch.Tensor:
         """Draft indices -> target ids."""
         return indices if self._to_draft is None else self.draft_ids.to(indices.device)[indices]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed hidden [..., d] -> logits over the draft vocabulary [..., N].
+
+        The LM head is the largest product of a drafting step, so this one place runs it through
+        ``cpu_linear.project`` (the faster small-row form on CPU inference; ``F.linear`` under
+        autograd, on GPUs and while exporting) rather than each caller choosing."""
+        return project(self.draft_head, hidden)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features [N, T, m*d] -> fused context [N, T, d]."""
