@@ -40,11 +40,11 @@ run repeats exactly.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 from .sps import SpsTable
 
-__all__ = ["DraftGate"]
+__all__ = ["DraftGate", "gated_rows"]
 
 
 class DraftGate:
@@ -152,3 +152,15 @@ class DraftGate:
         self._rows = keep * self._rows + requests
         self._accepted = keep * self._accepted + accepted
         self._verified = keep * self._verified + verified
+
+
+def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int]) -> list[int]:
+    """The rows of ``rows`` that draft this step: every one without a gate, else as many as
+    ``gate.rows_to_draft`` allows, those that drafted least recently (``last_drafted[i]``, an
+    engine round) first, ties by row; in row order."""
+    if not rows or gate is None:
+        return rows
+    n = gate.rows_to_draft(len(rows))
+    if n == len(rows):
+        return rows
+    return sorted(sorted(rows, key=lambda i: last_drafted[i])[:n])

@@ -47,7 +47,7 @@ from dspark.plugins import coupled, ops
 from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
-from .draft_gate import DraftGate
+from .draft_gate import DraftGate, gated_rows
 from .proposers import (DraftBatch, EngineStats, NeuralProposer, Proposer, SuffixConfig, SuffixProposer,
                         build_proposer)
 from .proposers.registry import PROPOSERS
@@ -99,6 +99,7 @@ class _Request:
     anchor: int | None = None
     steps: int = 0
     last_drafted: int = -1  # engine round of this request's latest draft (gate probes pick the oldest)
+    last_suffix: int = -1  # engine round of this request's latest suffix lookup (the same, for the suffix gate)
     drafted: int = 0
     accepted: int = 0
     cancelled: bool = False
@@ -161,6 +162,8 @@ class SpecEngine:
             kwargs = {"threshold": self.cfg.threshold}
         self.policy = make_scheduler(sched, **kwargs)
         self.gate = self._make_gate(sps, sched)
+        self.suffix_gate = self._make_suffix_gate(sps, sched)
+        self._suffix_looked: list[int] = []  # rows of this step's batch whose suffix lookups ran
         self.verify = ops.verify  # the CUDA kernel for CUDA tensors, the reference otherwise
         self.device = self.runner.device
         self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
@@ -187,6 +190,16 @@ class SpecEngine:
             log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds)
+
+    def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
+        """The same gate over the suffix lookups (their host cost against their realised gain),
+        with the hardware-aware schedulers: where suffix drafts do not pay (a large batch, T=1),
+        the lookups stop too. One imaginary empty row of prior: a wrong lookup costs only host time."""
+        if not (self.cfg.adaptive_drafting and self.suffix is not None and sched in ("algorithm1", "async")
+                and isinstance(sps, SpsTable)):
+            return None
+        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=self.suffix.cost().seconds,
+                         prior_rows=1.0)
 
     # -- the neural drafter's runner and backlog bound (tests and tools reach the drafter here) ------
     @property
@@ -395,12 +408,7 @@ class SpecEngine:
             bar = self._neural_estimate()
             expected = suffix.expected_accepts().tolist()
             rows = [i for i in rows if expected[i] < bar]
-        if not rows or self.gate is None:
-            return rows
-        n = self.gate.rows_to_draft(len(rows))
-        if n == len(rows):
-            return rows
-        return sorted(sorted(rows, key=lambda i: reqs[i].last_drafted)[:n])
+        return gated_rows(self.gate, rows, [r.last_drafted for r in reqs])
 
     def _neural_estimate(self) -> float:
         """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running
@@ -421,7 +429,15 @@ class SpecEngine:
         neural proposal stands (docs/runtime.md "Proposers and hybrid drafting")."""
         R = len(reqs)
         slots = [r.slot for r in reqs]
-        suffix = self.suffix.propose(slots) if self.suffix is not None else None
+        suffix = None
+        self._suffix_looked = []
+        if self.suffix is not None:
+            looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs])
+            if looked:
+                suffix = _scatter(self.suffix.propose([slots[i] for i in looked]), looked, R)
+                for i in looked:
+                    reqs[i].last_suffix = self.stats.decode_steps
+            self._suffix_looked = looked
         rows = self._neural_rows(reqs, suffix)
         if self.neural is not None and not rows:
             self.stats.skipped_draft_steps += 1
@@ -473,6 +489,9 @@ class SpecEngine:
             mine = [i for i in range(len(reqs)) if batch.source_of(i) == self.neural.name and batch.lens[i] > 0]
             if mine:
                 self.gate.observe(len(mine), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
+        if self.suffix_gate is not None and self._suffix_looked:  # every row looked up paid for it
+            mine = [i for i in self._suffix_looked if batch.source_of(i) == self.suffix.name and batch.lens[i] > 0]
+            self.suffix_gate.observe(len(self._suffix_looked), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         emitted = res.output_tokens.cpu()
         aux_host = out.aux[:, : L + 1].float().cpu() if self.need_features else None  # one copy, one sync
         conf = batch.conf_logits.cpu() if self.cfg.record_rounds and batch.conf_logits is not None else None

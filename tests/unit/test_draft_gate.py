@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark.engine.api import SamplingParams
-from dspark.engine.draft_gate import DraftGate
+from dspark.engine.draft_gate import DraftGate, gated_rows
 from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.engine.sps import SpsTable
 from dspark.training.models import build_drafter, drafter_config_for
@@ -183,3 +183,40 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
     probes = [s for s in drafted_slots[1:] if len(s) < 7]
     assert probes and all(len(s) == 2 for s in probes)
     assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
+
+
+def test_gated_rows_takes_the_least_recently_drafted_rows_in_row_order():
+    gate = DraftGate(_table(10.0, 0.01), max_tokens=64, probe_rows=2)
+    assert gated_rows(None, [0, 1, 2], [5, 1, 3]) == [0, 1, 2]
+    assert gated_rows(gate, [], [5, 1, 3]) == []
+    assert gated_rows(gate, [0, 1, 2, 3], [5, 1, 3, 1]) == [1, 3]  # no history yet: a 2-row probe
+
+
+@pytest.mark.parametrize("host_seconds", [0.0, 100.0])  # free / ruinous lookups
+def test_suffix_lookups_are_gated_by_their_host_cost_and_stay_token_identical(host_seconds):
+    """The suffix gate skips the lookups where their host cost outweighs what they gain
+    (probing now and then); either way every request gets exactly target-only's tokens."""
+    from dspark.engine.proposers import SuffixConfig
+
+    target = make_tiny_target()
+    motif = [11, 12, 13, 14, 15]
+    jobs = [(f"r{i}", (motif * 6)[i:i + 20], SamplingParams(max_tokens=20)) for i in range(4)]
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4)), jobs)
+    cfg = EngineConfig(proposers="suffix", scheduler="algorithm1", max_batch=4,
+                       suffix=SuffixConfig(max_drafts=3, host_seconds_per_row=host_seconds))
+    engine = SpecEngine(target, None, cfg, sps=_table(0.0))
+    assert engine.suffix_gate is not None
+    looked: list[int] = []
+    propose = engine.suffix.propose
+
+    def recording(slots, *args, **kwargs):
+        looked.append(len(slots))
+        return propose(slots, *args, **kwargs)
+    engine.suffix.propose = recording
+    assert run_to_completion(engine, jobs) == base
+    steps = engine.stats.decode_steps
+    if host_seconds:
+        assert 0 < len(looked) < steps / 2, f"{len(looked)} lookup steps of {steps}: the ruinous lookups were not skipped"
+    else:
+        assert len(looked) == steps, "free lookups must run on every decode step"
+        assert engine.stats.by_proposer["suffix"].accepted > 0
