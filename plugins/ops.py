@@ -156,16 +156,10 @@ def verify(
     if not _use_kernel(target_logits, "verify"):
         return reference.verify(draft_tokens, draft_probs, target_logits, verify_lens, temperature,
                                 top_k, top_p, seed, offset)
-    R, K = draft_tokens.shape
-    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (R, K + 1):
-        raise ValueError(f"target_logits must be [R, K+1, V] = [{R}, {K + 1}, V], got {tuple(target_logits.shape)}")
-    if verify_lens.shape != (R,):
-        raise ValueError(f"verify_lens must be [R]={R}, got {tuple(verify_lens.shape)}")
-    V = target_logits.shape[-1]
+    R, K, V = reference.check_verify_shapes(draft_tokens, target_logits, verify_lens, draft_probs,
+                                            check_range=False)
     device = target_logits.device
     temperature = temperature.to(device, torch.float32)
-    if draft_probs is not None and tuple(draft_probs.shape) != (R, K, V):
-        raise ValueError(f"draft_probs must be [R, K, V] = [{R}, {K}, {V}], got {tuple(draft_probs.shape)}")
     seed = torch.zeros(R, dtype=torch.long, device=device) if seed is None else seed.to(device)
     offset = torch.zeros(R, dtype=torch.long, device=device) if offset is None else offset.to(device)
 

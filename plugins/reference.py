@@ -108,17 +108,21 @@ def _sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def check_verify_shapes(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                        verify_lens: torch.Tensor) -> tuple[int, int, int]:
-    """(R, K, V) of a verify call, after checking that drafts [R, K], logits [R, K+1, V] and
-    lengths [R] in [0, K] fit together (one message per mismatch, shared by every verify rule)."""
+def check_verify_shapes(draft_tokens: torch.Tensor, target_logits: torch.Tensor, verify_lens: torch.Tensor,
+                        draft_probs: torch.Tensor | None = None, check_range: bool = True) -> tuple[int, int, int]:
+    """(R, K, V) of a verify call, after checking that drafts [R, K], logits [R, K+1, V],
+    lengths [R] and, when given, draft probabilities [R, K, V] fit together (one message per
+    mismatch, shared by every verify rule and the CUDA op). ``check_range`` also checks that
+    the lengths lie in [0, K]; the op skips it (it would cost a host sync) and clamps instead."""
     R, K = draft_tokens.shape
     V = target_logits.shape[-1]
-    if target_logits.shape[:2] != (R, K + 1):
+    if target_logits.dim() != 3 or target_logits.shape[:2] != (R, K + 1):
         raise ValueError(f"target_logits must be [R, K+1, V] = [{R}, {K + 1}, V], got {tuple(target_logits.shape)}")
     if verify_lens.shape != (R,):
         raise ValueError(f"verify_lens must be [R]={R}, got {tuple(verify_lens.shape)}")
-    if bool(((verify_lens < 0) | (verify_lens > K)).any()):
+    if draft_probs is not None and tuple(draft_probs.shape) != (R, K, V):
+        raise ValueError(f"draft_probs must be [R, K, V] = [{R}, {K}, {V}], got {tuple(draft_probs.shape)}")
+    if check_range and bool(((verify_lens < 0) | (verify_lens > K)).any()):
         raise ValueError(f"verify_lens must lie in [0, {K}]")
     return R, K, V
 
@@ -146,15 +150,13 @@ def verify(
     Example (greedy, K=2, V=3): drafts [[2, 1]], target argmaxes [2, 0, 1], l=[2] ->
     num_accepted [1], output_tokens [[2, 0, -1]].
     """
-    R, K, V = check_verify_shapes(draft_tokens, target_logits, verify_lens)
+    R, K, V = check_verify_shapes(draft_tokens, target_logits, verify_lens, draft_probs)
     device = target_logits.device
     greedy = temperature <= 0
     if draft_probs is None:
         if not bool(greedy.all()):
             raise ValueError("draft_probs is required for sampled (temperature > 0) rows")
         draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(0, V - 1), V).float()
-    if draft_probs.shape != (R, K, V):
-        raise ValueError(f"draft_probs must be [R, K, V] = [{R}, {K}, {V}], got {tuple(draft_probs.shape)}")
 
     p_t = process_logits(target_logits, temperature.unsqueeze(-1),
                          None if top_k is None else top_k.unsqueeze(-1),
