@@ -50,7 +50,6 @@ range too narrow to reach the compute-bound region. ``allow_flat=True`` accepts 
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -61,7 +60,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from dspark.training.jsonfile import read_json_file
+from dspark.training.jsonfile import read_json_file, write_json_file
 
 __all__ = [
     "SPS_FORMAT",
@@ -291,10 +290,7 @@ class SpsTable:
 
     def save(self, path: str | Path) -> Path:
         """Write the table as JSON (see the module docstring for the schema)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        return path
+        return write_json_file(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path, allow_flat: bool = False, flat_rtol: float = DEFAULT_FLAT_RTOL) -> "SpsTable":

@@ -30,7 +30,6 @@ We write ``sts_temperatures``; the reader also accepts the shorter key ``tempera
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 
 from dspark.training.metrics import confidence_calibration, ece_rows, roc_auc
-from dspark.training.jsonfile import read_json_file
+from dspark.training.jsonfile import read_json_file, write_json_file
 
 __all__ = [
     "STS_FORMAT",
@@ -254,10 +253,7 @@ class StsCalibration:
         }
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        return path
+        return write_json_file(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "StsCalibration":

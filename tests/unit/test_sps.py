@@ -17,6 +17,8 @@ from dspark.engine.sps import (
     profile_sps,
 )
 
+from .side_files import assert_refused_in_one_line
+
 
 def _table(**kw) -> SpsTable:
     args = dict(tokens=[1, 8, 64, 256], steps_per_s=[100.0, 95.0, 60.0, 20.0], device="cpu",
@@ -61,11 +63,7 @@ def test_save_then_load_round_trips_every_field(tmp_path):
 def test_loader_refuses_corrupt_tables_with_a_one_line_reason_naming_the_file(tmp_path, mutate, needle):
     data = _table().to_dict()
     mutate(data)
-    path = _write(tmp_path, data)
-    with pytest.raises(SpsTableError) as err:
-        SpsTable.load(path)
-    msg = str(err.value)
-    assert str(path) in msg and needle in msg and "\n" not in msg, msg
+    assert_refused_in_one_line(SpsTable.load, _write(tmp_path, data), SpsTableError, needle)
 
 
 def test_loader_refuses_missing_and_non_json_files(tmp_path):

@@ -17,6 +17,8 @@ from dspark.engine.sts import (
     fit_sts,
 )
 
+from .side_files import assert_refused_in_one_line
+
 K = 5
 
 
@@ -140,10 +142,7 @@ def test_calibration_loader_reads_the_temperatures_key(tmp_path):
 def test_calibration_loader_refuses_bad_files_naming_file_and_keys(tmp_path, data, needle):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(StsCalibrationError) as err:
-        StsCalibration.load(path)
-    msg = str(err.value)
-    assert str(path) in msg and needle in msg and "\n" not in msg, msg
+    assert_refused_in_one_line(StsCalibration.load, path, StsCalibrationError, needle)
 
 
 def test_calibration_loader_refuses_missing_and_non_json_files(tmp_path):
