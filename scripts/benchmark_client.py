@@ -6,6 +6,10 @@
       --max-tokens 64 --out docs/benchmarks/serving
   python scripts/benchmark_client.py --soak 10 --streams 64 --out docs/benchmarks/soak
 
+accept_len by proposer comes from the server's dspark_proposer_* counters (--metrics-url, default
+the gRPC host's port 8002); a hybrid engine is served with scripts/start_server.sh --engine-dir DIR
+and DSPARK_PROPOSERS=neural+suffix (or the engine directory's engine.json "proposers").
+
 Writes <out>.json, <out>.md and <out>.png (sweep) or <out>.json and <out>.md (soak).
 Prompts: the first turn of each {"turns": [...]} line of --prompts (JSONL files or
 folders; default the kit's data/eval, or $DSPARK_DATA/eval, *.jsonl).
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=None, help="default: greedy")
     ap.add_argument("--out", default="docs/benchmarks/serving", help="output path without suffix")
     ap.add_argument("--device", default=None, help="device label for the report (default: this host's CPU)")
+    ap.add_argument("--metrics-url", default=None,
+                    help="Triton metrics endpoint for accept_len by proposer (default http://<url host>:8002/metrics; "
+                         "'' to skip)")
     ap.add_argument("--soak", type=float, default=None, metavar="MINUTES",
                     help="soak mode: streamed == non-streamed greedy text for MINUTES")
     ap.add_argument("--streams", type=int, default=64, help="soak: concurrent workers")
@@ -90,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if args.repeats < 1:
         sys.exit(f"--repeats must be >= 1, got {args.repeats}")
+    metrics_url = args.metrics_url
+    if metrics_url is None:
+        metrics_url = f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
+    if metrics_url and bench.scrape_proposer_counters(metrics_url) is None:
+        print(f"note: no proposer counters at {metrics_url}: the report has no accept_len by proposer", file=sys.stderr)
+        metrics_url = ""
     rows = bench.sweep(args.url, prompts, concurrencies, systems, args.max_tokens, args.num_requests,
-                       args.temperature, repeats=args.repeats)
+                       args.temperature, repeats=args.repeats, metrics_url=metrics_url or None)
     report = {"command": command, "device": args.device or bench.device_label(), "max_tokens": args.max_tokens,
               "repeats": args.repeats, "results": rows}
     for p in bench.write_report(report, out):

@@ -3,7 +3,8 @@
 ``sweep``: for each system (``ensemble`` = spec, ``ensemble_target_only``) and each
 concurrency, keep that many streaming requests in flight (closed loop) until
 ``num_requests`` finished; report TTFT, ITL (time per output token after the first),
-end-to-end latency percentiles, output tokens/s, requests/s and accept_len.
+end-to-end latency percentiles, output tokens/s, requests/s and accept_len; with the server's
+metrics URL also accept_len by proposer (the ``dspark_proposer_*`` counters over the run).
 
 ``soak``: ``streams`` workers each send, back to back for ``minutes``, a streamed and a
 non-streamed greedy request for the same prompt and compare the texts; reports failed and
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -83,6 +85,55 @@ def summarize(system: str, concurrency: int, results: list[Result], wall: float)
     }
 
 
+# the server's proposer counters -----------------------------------------------------------
+_PROPOSER_LINE = re.compile(r'^dspark_proposer_(rounds|draft_tokens|accepted_tokens)_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+_FIELD = {"rounds": "rounds", "draft_tokens": "drafted", "accepted_tokens": "accepted"}
+
+
+def parse_proposer_counters(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text -> ``{proposer: {"rounds", "drafted", "accepted"}}``, summed over the other labels."""
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _PROPOSER_LINE.match(line.strip())
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        name = labels.get("proposer")
+        if name is None:
+            continue
+        d = out.setdefault(name, {"rounds": 0.0, "drafted": 0.0, "accepted": 0.0})
+        d[_FIELD[m.group(1)]] += float(m.group(3))
+    return out
+
+
+def scrape_proposer_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, dict[str, float]] | None:
+    """The server's proposer counters now, or None without a URL or when it cannot be read."""
+    if not metrics_url:
+        return None
+    import urllib.request
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout) as resp:
+            return parse_proposer_counters(resp.read().decode("utf-8", "replace"))
+    except OSError:
+        return None
+
+
+def proposer_window(before: dict | None, after: dict | None) -> dict[str, dict] | None:
+    """What the counters gained between two scrapes, with ``accept_len`` per proposer (the one
+    definition: (accepted + rounds) / rounds); None when either scrape is missing."""
+    if before is None or after is None:
+        return None
+    from ..proposers.stats import accept_len
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        d = {k: int(round(a[k] - b.get(k, 0.0))) for k in ("rounds", "drafted", "accepted")}
+        if d["rounds"] > 0:
+            d["accept_len"] = round(accept_len(d["accepted"], d["rounds"]), 4)
+            out[name] = d
+    return out
+
+
 # load generation -------------------------------------------------------------------------
 def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
               max_tokens: int, temperature: float | None = None, timeout: float = 1800.0) -> tuple[list[Result], float]:
@@ -118,10 +169,12 @@ MIN_REQUESTS = 12  # per level: a few requests at concurrency 1 last seconds, to
 
 def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
           num_requests: int | None = None, temperature: float | None = None, repeats: int = 1,
-          log=print) -> list[dict]:
+          log=print, metrics_url: str | None = None) -> list[dict]:
     """Every concurrency level runs each system back to back, ``repeats`` times, the order
     alternating from one round to the next, so the runs compared at a level ran minutes apart on
-    the same host state. A (system, level) row is its median-throughput run (``combine_runs``)."""
+    the same host state. A (system, level) row is its median-throughput run (``combine_runs``).
+    ``metrics_url`` (Triton's ``/metrics``): each run also gets ``by_proposer``, the rounds,
+    drafts and accepted tokens by proposer over that run, and their accept_len."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for system in systems:
@@ -133,15 +186,27 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
         for _ in range(repeats):
             for system in (systems if rounds % 2 == 0 else systems[::-1]):
                 n = num_requests or max(2 * c, MIN_REQUESTS)
+                before = scrape_proposer_counters(metrics_url)
                 results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
+                if before is not None:
+                    time.sleep(0.5)  # the model publishes its counters on its 0.1 s poll
                 row = summarize(system, c, results, wall)
+                row["by_proposer"] = proposer_window(before, scrape_proposer_counters(metrics_url))
                 runs[system].append(row)
                 log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
                     f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
-                    f"accept_len {row['accept_len']}  failed {row['failed']}")
+                    f"accept_len {row['accept_len']}{_by_proposer_text(row['by_proposer'])}  failed {row['failed']}")
             rounds += 1
         rows += [combine_runs(runs[s]) for s in systems]
     return sorted(rows, key=lambda r: (systems.index(r["system"]), r["concurrency"]))
+
+
+def _by_proposer_text(by: dict | None) -> str:
+    """`` (suffix 1.9, dspark 1.2)``: accept_len by proposer, rounds without drafts left out."""
+    if not by:
+        return ""
+    parts = [f"{k} {v['accept_len']:.2f}" for k, v in by.items() if k != "none"]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def combine_runs(runs: list[dict]) -> dict:
@@ -167,8 +232,8 @@ def device_label() -> str:
 def markdown(report: dict) -> str:
     lines = ["# Serving benchmark", "", f"Command: `{report['command']}`", "", f"Device: {report['device']}", "",
              "| system | concurrency | output tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-             "e2e p50/p90/p99 ms | accept_len | failed |",
-             "|---|---:|---:|---:|---|---|---|---:|---:|"]
+             "e2e p50/p90/p99 ms | accept_len | accept_len by proposer | failed |",
+             "|---|---:|---:|---:|---|---|---|---:|---|---:|"]
 
     def trio(d):
         return " / ".join("-" if d[k] is None else f"{d[k]:.0f}" if d[k] >= 10 else f"{d[k]:.1f}"
@@ -177,13 +242,16 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tokens_per_s']} | {r['requests_per_s']} | "
                      f"{trio(r['ttft_ms'])} | {trio(r['itl_ms'])} | {trio(r['e2e_ms'])} | {r['accept_len']} | "
-                     f"{r.get('failed', 0)} |")
+                     f"{_by_proposer_text(r.get('by_proposer')).strip(' ()') or '-'} | {r.get('failed', 0)} |")
     speedups = speedup_rows(report["results"])
     if speedups:
         repeats = max((r.get("repeats", 1) for r in report["results"]), default=1)
         lines += ["", "spec / target_only" + (f" (median of the {repeats} rounds' ratios)" if repeats > 1 else "")
                   + ":", "", "| concurrency | output tok/s | TTFT p50 |", "|---:|---:|---:|"]
         lines += [f"| {c} | {s:.2f}x | {'-' if t is None else f'{t:.2f}x'} |" for c, s, t in speedups]
+    if any(r.get("by_proposer") for r in report["results"]):
+        lines += ["", "`accept_len by proposer`: tokens per verify round over the rounds each proposer drafted, from the "
+                  "server's `dspark_proposer_*` counters over the run (rounds without drafts not counted)."]
     return "\n".join(lines) + "\n"
 
 

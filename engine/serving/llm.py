@@ -316,6 +316,9 @@ class LLMService:
                 items = list(self._live.items())
             if self.metrics:
                 self.metrics.batch_sample(len(items))
+                stats = getattr(self.engine, "stats", None)  # SpecEngine's EngineStats; other engines have none
+                if stats is not None and hasattr(stats, "by_proposer"):
+                    self.metrics.proposer_totals(stats.by_proposer)
             for rid, live in items:
                 if live.cancel_requested:
                     continue

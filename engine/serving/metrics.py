@@ -35,7 +35,14 @@ METRICS = {
     "dspark_request_accept_len": (HISTOGRAM, "accept_len (tokens per verify round) of each finished request", None, ACCEPT_LEN_BUCKETS),
     "dspark_inflight_requests": (GAUGE, "Requests submitted to the engine and not finished", None, None),
     "dspark_batch_size": (HISTOGRAM, "In-flight requests, sampled while the engine is busy", None, BATCH_BUCKETS),
+    # the engine's rounds by the proposer that drafted them ("none": rounds without drafts);
+    # accept_len of a proposer = (accepted + rounds) / rounds over any window of these counters
+    "dspark_proposer_rounds_total": (COUNTER, "Verify rounds by the proposer that drafted them", "proposer", None),
+    "dspark_proposer_draft_tokens_total": (COUNTER, "Draft tokens verified, by proposer", "proposer", None),
+    "dspark_proposer_accepted_tokens_total": (COUNTER, "Draft tokens accepted, by proposer", "proposer", None),
 }
+PROPOSER_COUNTERS = (("dspark_proposer_rounds_total", "rounds"), ("dspark_proposer_draft_tokens_total", "drafted"),
+                     ("dspark_proposer_accepted_tokens_total", "accepted"))
 
 
 class ServingMetrics:
@@ -44,6 +51,7 @@ class ServingMetrics:
         self._families = {name: make_family(name, desc, kind) for name, (kind, desc, _, _) in METRICS.items()}
         self._metrics: dict[tuple[str, str | None], object] = {}
         self._lock = threading.Lock()
+        self._proposer_seen: dict[str, dict[str, int]] = {}  # proposer -> totals already counted
 
     def _metric(self, name: str, extra: str | None = None):
         key = (name, extra)
@@ -88,6 +96,18 @@ class ServingMetrics:
     def batch_sample(self, n: int) -> None:
         if n > 0:
             self._metric("dspark_batch_size").observe(float(n))
+
+    def proposer_totals(self, by_proposer: dict) -> None:
+        """The engine's running totals by proposer (``EngineStats.by_proposer``: objects with
+        ``rounds``, ``drafted``, ``accepted``): the counters advance by what is new since the last call."""
+        seen = self._proposer_seen
+        for name, st in list(by_proposer.items()):
+            last = seen.get(name, {})
+            for metric, field in PROPOSER_COUNTERS:
+                now = int(getattr(st, field))
+                if now > last.get(field, 0):
+                    self._metric(metric, name).increment(now - last.get(field, 0))
+            seen[name] = {field: int(getattr(st, field)) for _, field in PROPOSER_COUNTERS}
 
 
 class InMemoryFamily:

@@ -99,3 +99,40 @@ def test_repeated_sweep_alternates_rounds_and_reports_median_runs_and_paired_rat
     assert "median of the 3 rounds' ratios" in md and "| 1 | 0.50x | 0.86x |" in md
     with pytest.raises(ValueError):
         bench.sweep("u", ["p"], [1], ["spec"], 8, repeats=0, log=lambda *_: None)
+
+
+def test_proposer_counters_are_published_as_increments_and_read_back_per_run():
+    """The model publishes the engine's running totals by proposer; the client reads them from
+    the metrics text before and after a run and gets that run's accept_len by proposer."""
+    from types import SimpleNamespace
+
+    from dspark.engine.serving.metrics import InMemoryFamily, ServingMetrics
+
+    families = {}
+
+    def family(name, desc, kind):
+        families[name] = InMemoryFamily(name, desc, kind)
+        return families[name]
+    m = ServingMetrics(family, {"model": "dspark_llm"})
+    m.proposer_totals({"suffix": SimpleNamespace(rounds=4, drafted=6, accepted=3)})
+    m.proposer_totals({"suffix": SimpleNamespace(rounds=10, drafted=12, accepted=9),
+                       "none": SimpleNamespace(rounds=2, drafted=0, accepted=0)})
+    (rounds,) = [x for x in families["dspark_proposer_rounds_total"].metrics if x.labels["proposer"] == "suffix"]
+    assert rounds.value == 10 and rounds.labels["model"] == "dspark_llm"
+
+    def text(values):
+        return "\n".join(["# HELP dspark_proposer_rounds_total x", "nv_inference_count{model=\"a\"} 3"] + [
+            f'dspark_proposer_{k}_total{{model="{mod}",proposer="{p}"}} {v}' for (k, mod, p), v in values.items()])
+    before = bench.parse_proposer_counters(text({("rounds", "dspark_llm", "suffix"): 4,
+                                                 ("accepted_tokens", "dspark_llm", "suffix"): 3}))
+    after = bench.parse_proposer_counters(text({("rounds", "dspark_llm", "suffix"): 10,
+                                                ("rounds", "dspark_llm_target_only", "suffix"): 2,
+                                                ("draft_tokens", "dspark_llm", "suffix"): 12,
+                                                ("accepted_tokens", "dspark_llm", "suffix"): 9,
+                                                ("rounds", "dspark_llm", "dspark"): 0}))
+    assert after["suffix"] == {"rounds": 12.0, "drafted": 12.0, "accepted": 9.0}  # summed over models
+    window = bench.proposer_window(before, after)
+    assert window == {"suffix": {"rounds": 8, "drafted": 12, "accepted": 6, "accept_len": 1.75}}  # no rounds: left out
+    assert bench.proposer_window(None, after) is None
+    assert bench.scrape_proposer_counters(None) is None
+    assert bench.scrape_proposer_counters("http://127.0.0.1:9/metrics", timeout=0.5) is None  # unreachable: None
