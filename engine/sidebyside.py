@@ -440,13 +440,13 @@ def _vllm_spec_counts(llm) -> tuple[int, int] | None:
         metrics = llm.get_metrics()
     except Exception:  # older vLLM, or metrics off: the row just has no accept_len
         return None
-    drafts = accepted = None
-    for m in metrics:
-        if m.name == "vllm:spec_decode_num_drafts":
-            drafts = int(getattr(m, "value", 0))
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = int(getattr(m, "value", 0))
-    return (drafts, accepted) if drafts is not None and accepted is not None else None
+    sums: dict[str, int] = {}
+    for m in metrics:  # one counter per engine-core label set: summed
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+            sums[m.name] = sums.get(m.name, 0) + int(getattr(m, "value", 0))
+    if len(sums) < 2:
+        return None
+    return sums["vllm:spec_decode_num_drafts"], sums["vllm:spec_decode_num_accepted_tokens"]
 
 
 def worker_vllm(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
