@@ -24,7 +24,7 @@ seed gives the same tokens. Each ``y_t`` is drawn from ``p_t(. | y_<t)`` with no
 earlier choice looked at, so the output distribution is exactly the target's. The price is
 acceptance: two exact samplers sharing their noise agree less often than rejection sampling
 (``reference.verify``) accepts, ``P(x = y) >= (1 - TV) / (1 + TV)`` against ``1 - TV``
-(docs/runtime.md has the measured cost).
+(docs/benchmarks/seeded_sampling.md measures the cost).
 
 The noise: a 32-bit key per (seed, position) from two rounds of an integer mixer, xor'ed
 with a mixed token id, mixed again; its low 31 bits give ``w`` uniform in (0, 1) and

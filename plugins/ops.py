@@ -3,7 +3,7 @@
 ``verify()`` and ``schedule_prefix()`` below take exactly the arguments of
 ``dspark.plugins.reference`` and return the same types. On CUDA tensors they run the
 kernels of ``plugins/csrc`` (built on first use with ``torch.utils.cpp_extension.load`` for
-the current GPU's architecture plus PTX, about 30 s, cached by torch afterwards); anywhere
+the current GPU's architecture plus PTX, once, cached by torch afterwards); anywhere
 else, or when the build is impossible, they run the reference and log a notice once.
 
 What the kernel path guarantees against the reference:
