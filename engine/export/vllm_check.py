@@ -22,8 +22,10 @@ imported lazily so the kit imports without it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["vllm_missing_reason", "VllmDraft", "load_vllm_draft", "BlockResult", "vllm_dspark_block",
-           "vllm_eagle3_chain", "lm_head_noise_floor", "kit_dspark_block", "kit_eagle3_chain", "compare"]
+           "vllm_eagle3_chain", "lm_head_noise_floor", "kit_dspark_block", "kit_eagle3_chain", "compare",
+           "GEMM_DISPATCH", "kit_float64", "bisect_dspark_block"]
+
+# vLLM's CPU GEMM dispatch for unquantized fp32 linears (``dispatch_cpu_unquantized_gemm``): "vllm" = what
+# it picks on this machine (oneDNN ``onednn_mm`` where its oneDNN build is present), "torch" = its own
+# fallback branch (``torch.nn.functional.linear``), taken where oneDNN is unavailable
+GEMM_DISPATCH = ("vllm", "torch")
 
 
 def vllm_missing_reason() -> str | None:
@@ -123,9 +131,27 @@ def _init_dist(vc) -> None:
     _DIST_READY = True
 
 
-def load_vllm_draft(draft_dir: str | Path, target_dir: str | Path, method: str, num_speculative_tokens: int) -> VllmDraft:
+@contextmanager
+def _gemm_dispatch(gemm: str):
+    """Weights bound to GEMM kernels inside this block get ``gemm`` (see ``GEMM_DISPATCH``)."""
+    if gemm not in GEMM_DISPATCH:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_DISPATCH)}, got {gemm!r}")
+    from vllm import _custom_ops as ops
+
+    saved = ops._supports_onednn
+    if gemm == "torch":
+        ops._supports_onednn = False
+    try:
+        yield
+    finally:
+        ops._supports_onednn = saved
+
+
+def load_vllm_draft(draft_dir: str | Path, target_dir: str | Path, method: str, num_speculative_tokens: int,
+                    gemm: str = "vllm") -> VllmDraft:
     """Build vLLM's draft class for ``draft_dir`` (``method``: dspark | eagle3; the speculative
-    config as ``--speculative-config`` would give it) and load its weights."""
+    config as ``--speculative-config`` would give it) and load its weights; ``gemm`` picks the
+    branch of vLLM's CPU GEMM dispatch its linears are bound to (``GEMM_DISPATCH``)."""
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -140,7 +166,8 @@ def load_vllm_draft(draft_dir: str | Path, target_dir: str | Path, method: str, 
         model = cls(vllm_config=vc).eval()
         model.load_weights(load_file(str(Path(draft_dir) / "model.safetensors")).items())
         # what vLLM's model loader does next (on CPU it binds the GEMM kernels here)
-        process_weights_after_loading(model, vc.speculative_config.draft_model_config, torch.device("cpu"))
+        with _gemm_dispatch(gemm):
+            process_weights_after_loading(model, vc.speculative_config.draft_model_config, torch.device("cpu"))
     attn = []
     for layer in model.model.layers:
         sa = layer.self_attn
@@ -172,17 +199,16 @@ def vllm_dspark_block(d: VllmDraft, aux: torch.Tensor, anchor: torch.Tensor, blo
     m = d.model
     R, a, _ = aux.shape
     K = block_size
+    # vLLM's own context K/V path, captured where it writes the cache: one call over every request's
+    # context tokens, as its speculator makes it for a batch
+    captured = []
     for att in d.attn:
-        att.context = [None] * R
-    for r in range(R):  # vLLM's own context K/V path, captured where it writes the cache
-        captured = []
-        for att in d.attn:
-            impl = att._orig.impl
-            impl.do_kv_cache_update = lambda _layer, k, v, _cache, _slots, out=captured: out.append((k.clone(), v.clone()))
-        ctx = m.combine_hidden_states(aux[r])
-        m.precompute_and_store_context_kv(ctx, torch.arange(a), torch.zeros(a, dtype=torch.long))
-        for att, (k, v) in zip(d.attn, captured):  # [a, Hkv, hd] -> [Hkv, a, hd]
-            att.context[r] = (k.view(a, att.hkv, att.hd).transpose(0, 1), v.view(a, att.hkv, att.hd).transpose(0, 1))
+        att._orig.impl.do_kv_cache_update = lambda _layer, k, v, _cache, _slots: captured.append((k.clone(), v.clone()))
+    ctx = m.combine_hidden_states(aux.reshape(R * a, -1))
+    m.precompute_and_store_context_kv(ctx, torch.arange(a).repeat(R), torch.zeros(R * a, dtype=torch.long))
+    for att, (k, v) in zip(d.attn, captured):  # [R*a, Hkv, hd] -> per request [Hkv, a, hd]
+        att.context = [(k.view(R, a, att.hkv, att.hd)[r].transpose(0, 1), v.view(R, a, att.hkv, att.hd)[r].transpose(0, 1))
+                       for r in range(R)]
     ids = torch.full((R, K), mask_token_id, dtype=torch.long)
     ids[:, 0] = anchor
     pos = a + torch.arange(K).expand(R, K)
@@ -294,6 +320,124 @@ def kit_eagle3_chain(drafter, aux: torch.Tensor, tokens: torch.Tensor) -> BlockR
     hidden = drafter.forward_train(aux_full, full, K, torch.full((R, 1), T - 1))  # [K, R, 1, d]
     logits = torch.stack([drafter.draft_head(hidden[k, :, 0]).float() for k in range(K)], 1)
     return BlockResult(logits=logits, bias=None, confidence=None, drafts=prop.tokens)
+
+
+def kit_float64(drafter):
+    """A float64 copy of a kit drafter, its frozen embedding and LM heads too: the exact reference
+    that both fp32 implementations are measured against (vLLM's CPU kernels have no float64)."""
+    d64 = copy.deepcopy(drafter).double()
+    d64._frozen = {k: copy.deepcopy(m).double() for k, m in drafter._frozen.items()}
+    return d64
+
+
+def _out(x):
+    """A module's output, first element of vLLM's (out, bias) / (normed, residual) pairs."""
+    return x[0] if isinstance(x, tuple) else x
+
+
+@torch.no_grad()
+def bisect_dspark_block(d: VllmDraft, drafter, aux: torch.Tensor, anchor: torch.Tensor) -> list[dict]:
+    """Where do vLLM's and the kit's fp32 numbers part? One DSpark block (as ``vllm_dspark_block``),
+    every intermediate captured on both sides and compared, first the context path (fc,
+    hidden_norm, context K/V after k_norm and RoPE), then per draft layer (input_layernorm,
+    q/k/v projections, q and k after q/k norm and RoPE, attention, o_proj, the residual sum,
+    post_attention_layernorm, MLP), the final norm and the LM head.
+
+    Rows ``{stage, max_abs_diff, max_abs_value, local_diff}``: ``max_abs_diff`` compares the two
+    runs (differences upstream included); ``local_diff``, where given, runs vLLM's op on the
+    kit's own input to that stage, so it is that one op's disagreement alone."""
+    m, R, a = d.model, aux.shape[0], aux.shape[1]
+    K = drafter.cfg.block_size
+    got: dict[str, object] = {}
+    kit: dict[str, object] = {}
+    hooks = []
+
+    def grab(store, name, module):
+        hooks.append(module.register_forward_hook(lambda _m, i, o: store.__setitem__(name, (i, o))))
+
+    for i, (vl, kl) in enumerate(zip(m.model.layers, drafter.layers)):
+        sa = vl.self_attn
+        for name, mod in (("in_norm", vl.input_layernorm), ("qkv", sa.qkv_proj), ("rope", sa.rotary_emb),
+                          ("o_proj", sa.o_proj), ("post_norm", vl.post_attention_layernorm), ("mlp", vl.mlp)):
+            grab(got, f"{i}.{name}", mod)
+        for name, mod in (("in_norm", kl.input_layernorm), ("q", kl.q_proj), ("k", kl.k_proj), ("v", kl.v_proj),
+                          ("q_norm", kl.q_norm), ("k_norm", kl.k_norm), ("o_proj", kl.o_proj),
+                          ("post_norm", kl.post_attention_layernorm), ("mlp", kl.mlp)):
+            grab(kit, f"{i}.{name}", mod)
+    grab(kit, "fc", drafter.fc)
+    grab(kit, "norm", drafter.norm)
+    try:
+        vres = vllm_dspark_block(d, aux, anchor, K, drafter.cfg.mask_token_id)
+        ctx = [att.context for att in d.attn]  # per layer, per request (k, v) [Hkv, a, hd]
+        h_ctx = drafter.context(aux)
+        ctx_kv = drafter.context_kv(h_ctx, torch.arange(a).expand(R, a))
+        kit_fc = kit.pop("fc")[1]
+        drafter.propose(anchor, torch.full((R,), a), ctx_kv, torch.ones(R, a, dtype=torch.bool), torch.zeros(R))
+    finally:
+        for h in hooks:
+            h.remove()
+    from vllm import _custom_ops as ops
+
+    rows = []
+
+    def row(stage, mine, ref, local=None):
+        rows.append({"stage": stage, "max_abs_diff": float((mine.double() - ref.double()).abs().max()),
+                     "max_abs_value": float(ref.abs().max()),
+                     "local_diff": None if local is None else float((local.double() - ref.double()).abs().max())})
+
+    v_fc = m.combine_hidden_states(aux.reshape(R * a, -1)).view(R, a, -1)
+    row("fc (context)", v_fc, kit_fc)
+
+    def v_hidden_norm(x):
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x.contiguous(), m.model._hidden_norm_weight, m.model._rms_norm_eps)
+        return out
+
+    row("hidden_norm (context; vLLM's ops.rms_norm)", v_hidden_norm(v_fc.reshape(R * a, -1)).view(R, a, -1), h_ctx,
+        v_hidden_norm(kit_fc.reshape(R * a, -1)).view(R, a, -1))
+    for i, ((kk, kv), per_req) in enumerate(zip(ctx_kv, ctx)):
+        row(f"layer {i}: context K (k_proj, k_norm, RoPE)", torch.stack([c[0] for c in per_req]), kk)
+        row(f"layer {i}: context V", torch.stack([c[1] for c in per_req]), kv)
+    pos = a + torch.arange(K).expand(R, K)
+    cos, sin = drafter.rope(pos, h_ctx.dtype)
+    from dspark.training.models.layers import apply_rope
+
+    for i, vl in enumerate(m.model.layers):
+        sa, L = vl.self_attn, f"layer {i}: "
+        H, Hkv, hd = sa.num_heads, sa.num_kv_heads, sa.head_dim
+
+        def heads(x, n):  # vLLM [R*K, n*hd] -> the kit's [R, n, K, hd]
+            return x.reshape(R, K, n, hd).transpose(1, 2)
+
+        k_in = kit[f"{i}.in_norm"][1]
+        row(L + "input_layernorm", _out(got[f"{i}.in_norm"][1]).view(R, K, -1), k_in)
+        q, k, v = _out(got[f"{i}.qkv"][1]).split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+        local_q = _out(sa.qkv_proj(k_in.reshape(R * K, -1)))[:, : sa.q_size]
+        row(L + "q_proj", q.view(R, K, -1), kit[f"{i}.q"][1], local_q.view(R, K, -1))
+        row(L + "k_proj", k.view(R, K, -1), kit[f"{i}.k"][1])
+        row(L + "v_proj", v.view(R, K, -1), kit[f"{i}.v"][1])
+        kq = apply_rope(kit[f"{i}.q_norm"][1], cos, sin)
+        kk = apply_rope(kit[f"{i}.k_norm"][1], cos, sin)
+        vq, vk = got[f"{i}.rope"][1]
+        local_q, local_k = sa.rotary_emb(pos.reshape(-1), kit[f"{i}.q_norm"][1].transpose(1, 2).reshape(R * K, -1).clone(),
+                                         kit[f"{i}.k_norm"][1].transpose(1, 2).reshape(R * K, -1).clone())
+        row(L + "q after q_norm + RoPE", heads(vq, H), kq, heads(local_q, H))
+        row(L + "k after k_norm + RoPE", heads(vk, Hkv), kk, heads(local_k, Hkv))
+        row(L + "attention", got[f"{i}.o_proj"][0][0].view(R, K, -1), kit[f"{i}.o_proj"][0][0])
+        row(L + "o_proj", _out(got[f"{i}.o_proj"][1]).view(R, K, -1), kit[f"{i}.o_proj"][1])
+        # vLLM adds the residual inside post_attention_layernorm: its second output is the sum
+        k_sum = kit[f"{i}.post_norm"][0][0]
+        row(L + "residual + attention", got[f"{i}.post_norm"][1][1].view(R, K, -1), k_sum)
+        row(L + "post_attention_layernorm", _out(got[f"{i}.post_norm"][1]).view(R, K, -1), kit[f"{i}.post_norm"][1],
+            _out(vl.post_attention_layernorm(k_sum.reshape(R * K, -1))).view(R, K, -1))
+        row(L + "mlp", got[f"{i}.mlp"][1].view(R, K, -1), kit[f"{i}.mlp"][1],
+            vl.mlp(kit[f"{i}.mlp"][0][0].reshape(R * K, -1)).view(R, K, -1))
+    k_hidden = kit["norm"][1]
+    row("final norm (the LM head's input)", vres.hidden, k_hidden)
+    k_logits = drafter.draft_logits(k_hidden).float()
+    row("draft logits (LM head)", m.compute_draft_logits(vres.hidden.reshape(R * K, -1)).view(R, K, -1), k_logits,
+        m.compute_draft_logits(k_hidden.reshape(R * K, -1)).view(R, K, -1))
+    return rows
 
 
 def compare(a: BlockResult, b: BlockResult) -> dict:

@@ -95,3 +95,31 @@ def test_a_changed_weight_is_seen_by_the_comparison(tmp_path, target_dir):
     diff = vllm_check.compare(vllm_check.vllm_dspark_block(v, aux, anchor, d.cfg.block_size, d.cfg.mask_token_id),
                               vllm_check.kit_dspark_block(d, aux, anchor))
     assert diff["markov_bias_max_abs_diff"] > 100 * TOL
+
+
+@pytest.mark.parametrize("gemm", vllm_check.GEMM_DISPATCH)
+def test_the_bisect_compares_every_stage_and_sees_a_changed_norm_there(tmp_path, target_dir, gemm):
+    """bisect_dspark_block: on a faithful export every stage agrees within fp32 rounding under either
+    branch of vLLM's GEMM dispatch; a k_norm weight edited in the export shows up at the context K
+    stage and after (the stage table points at the op that differs)."""
+    from safetensors.torch import load_file, save_file
+
+    target, tdir = target_dir
+    d = _drafter(target, "dspark", True)
+    export_hf(d, target, tmp_path / "hf")
+    torch.manual_seed(1)
+    aux, anchor = torch.randn(2, 9, 3 * 32), torch.tensor([7, 40])
+    rows = vllm_check.bisect_dspark_block(vllm_check.load_vllm_draft(tmp_path / "hf", tdir, "dspark", d.cfg.block_size,
+                                                                     gemm=gemm), d, aux, anchor)
+    stages = [r["stage"] for r in rows]
+    assert stages[0].startswith("fc") and stages[-1].startswith("draft logits") and len(stages) == 17, stages
+    assert all(r["max_abs_diff"] <= TOL and (r["local_diff"] is None or r["local_diff"] <= TOL) for r in rows), rows
+    st = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    name = next(k for k in st if k.endswith("k_norm.weight"))
+    st[name] = st[name] * 1.5
+    save_file(st, str(tmp_path / "hf" / "model.safetensors"))
+    bad = vllm_check.bisect_dspark_block(vllm_check.load_vllm_draft(tmp_path / "hf", tdir, "dspark", d.cfg.block_size,
+                                                                    gemm=gemm), d, aux, anchor)
+    by = {r["stage"]: r["max_abs_diff"] for r in bad}
+    assert by["fc (context)"] <= TOL and by["layer 0: v_proj"] <= TOL
+    assert by["layer 0: context K (k_proj, k_norm, RoPE)"] > 100 * TOL and by["layer 0: k after k_norm + RoPE"] > 100 * TOL
