@@ -110,21 +110,12 @@ __device__ __forceinline__ T shfl_xor(T v, int mask) {
 }
 
 // Inclusive prefix sum over the 32 lanes of a full warp (fixed order: deterministic).
-__device__ __forceinline__ double warp_inclusive_sum(double v) {
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
   const int lane = threadIdx.x & (kWarp - 1);
 #pragma unroll
   for (int d = 1; d < kWarp; d <<= 1) {
-    const double o = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += o;
-  }
-  return v;
-}
-
-__device__ __forceinline__ float warp_inclusive_sum(float v) {
-  const int lane = threadIdx.x & (kWarp - 1);
-#pragma unroll
-  for (int d = 1; d < kWarp; d <<= 1) {
-    const float o = __shfl_up_sync(0xffffffffu, v, d);
+    const T o = __shfl_up_sync(0xffffffffu, v, d);
     if (lane >= d) v += o;
   }
   return v;
