@@ -6,14 +6,15 @@ enumerated) distribution and be reproducible for a fixed (seed, offset).
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from dspark.plugins import ops, reference
+
+from ..distribution import chisquare_pvalue, exact_verify_outcomes
 
 pytestmark = pytest.mark.gpu
 
@@ -83,47 +84,6 @@ def test_greedy_rows_in_a_mixed_batch_are_bit_identical() -> None:
 # --------------------------------------------------------------------------------------
 # Sampling: distribution-identical, reproducible
 # --------------------------------------------------------------------------------------
-def exact_outcomes(p_t: np.ndarray, p_d: np.ndarray, l: int) -> dict[tuple[int, ...], float]:
-    """Exact law of the emitted tokens (see tests/unit/test_reference_verify.py)."""
-    out: dict[tuple[int, ...], float] = defaultdict(float)
-
-    def walk(j: int, prefix: tuple[int, ...], prob: float) -> None:
-        if j == l:
-            for y in np.nonzero(p_t[l])[0]:
-                out[prefix + (int(y),)] += prob * p_t[l, y]
-            return
-        residual = np.maximum(p_t[j] - p_d[j], 0.0)
-        residual = residual / residual.sum() if residual.sum() > 0 else p_t[j]
-        for x in np.nonzero(p_d[j])[0]:
-            acc = min(1.0, p_t[j, x] / p_d[j, x])
-            if acc > 0:
-                walk(j + 1, prefix + (int(x),), prob * p_d[j, x] * acc)
-            if acc < 1:
-                for y in np.nonzero(residual)[0]:
-                    out[prefix + (int(y),)] += prob * p_d[j, x] * (1 - acc) * residual[y]
-
-    walk(0, (), 1.0)
-    return dict(out)
-
-
-def _pvalue(counts: Counter, exact: dict) -> float:
-    n = sum(counts.values())
-    assert set(counts) <= {k for k, v in exact.items() if v > 0}, "an impossible outcome was emitted"
-    obs, exp, po, pe = [], [], 0.0, 0.0
-    for k in sorted(exact):
-        e = exact[k] * n
-        if e < 5:
-            po, pe = po + counts.get(k, 0), pe + e
-        else:
-            obs.append(counts.get(k, 0))
-            exp.append(e)
-    if pe > 0:
-        obs.append(po)
-        exp.append(pe)
-    exp_arr = np.array(exp) * (n / sum(exp))
-    return float(chisquare(np.array(obs, float), exp_arr).pvalue)
-
-
 P_T = np.array([[0.50, 0.20, 0.20, 0.10], [0.05, 0.60, 0.25, 0.10], [0.25, 0.25, 0.25, 0.25]])
 P_D = np.array([[0.25, 0.25, 0.40, 0.10], [0.10, 0.70, 0.00, 0.20]])
 
@@ -142,14 +102,14 @@ def _run_sampled(n: int, l: int, dtype: torch.dtype, temperature: float = 1.0, o
 def test_sampling_follows_the_enumerated_distribution(l: int) -> None:
     res = _run_sampled(40000, l, torch.float32)
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
-    assert _pvalue(counts, exact_outcomes(P_T, P_D, l)) > 1e-4
+    assert chisquare_pvalue(counts, exact_verify_outcomes(P_T, P_D, l)) > 1e-4
 
 
 def test_sampling_with_temperature_and_bf16_logits() -> None:
     res = _run_sampled(40000, 2, torch.bfloat16, temperature=0.7)
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
     p_t = torch.softmax(torch.tensor(0.7 * np.log(P_T)).to(torch.bfloat16).double() / 0.7, -1).numpy()
-    assert _pvalue(counts, exact_outcomes(p_t, P_D, 2)) > 1e-4
+    assert chisquare_pvalue(counts, exact_verify_outcomes(p_t, P_D, 2)) > 1e-4
 
 
 def test_sampling_matches_the_reference_distribution_at_full_vocab() -> None:
@@ -182,7 +142,7 @@ def test_missing_draft_probs_means_deterministic_drafts() -> None:
                      seed=torch.arange(n, device=DEV))
     counts = Counter(tuple(r[:m]) for r, m in zip(res.output_tokens.tolist(), res.num_emitted.tolist()))
     one_hot = np.eye(V)[[2, 1]]
-    assert _pvalue(counts, exact_outcomes(P_T, one_hot, K)) > 1e-4
+    assert chisquare_pvalue(counts, exact_verify_outcomes(P_T, one_hot, K)) > 1e-4
 
 
 def test_fixed_seed_and_offset_reproduce_and_offsets_change_the_draw() -> None:

@@ -26,6 +26,8 @@ from dspark.engine.scheduler import Algorithm1Scheduler, AsyncScheduler, VerifyL
 from dspark.plugins.coupled import race_sample, verify_coupled
 from dspark.plugins.reference import schedule_prefix, verify
 
+from ..distribution import pooled_chisquare_pvalue
+
 A, B = 0, 1
 P_TARGET = torch.tensor([0.7, 0.3])
 P_DRAFT = torch.tensor([0.5, 0.5])
@@ -216,14 +218,7 @@ def _target_trigram(p_t: torch.Tensor, first: int) -> torch.Tensor:
 
 def _chi2_pvalue(cells: torch.Tensor, probs: torch.Tensor) -> float:
     """Chi-square p-value of observed cell indices [n] against cell probabilities [C]."""
-    counts = torch.bincount(cells, minlength=probs.numel()).double()
-    expected = probs / probs.sum() * cells.numel()
-    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    if float(exp[-1]) == 0.0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
+    return pooled_chisquare_pvalue(torch.bincount(cells, minlength=probs.numel()), probs)
 
 
 def _trigram_cells(tokens: torch.Tensor) -> torch.Tensor:

@@ -9,52 +9,21 @@ seed (deterministic, no flakiness).
 from __future__ import annotations
 
 import logging
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from dspark.plugins import ops, reference
 from dspark.plugins.reference import process_logits, verify
+
+from ..distribution import chisquare_pvalue, exact_verify_outcomes
 
 
 # --------------------------------------------------------------------------------------
 # Exact enumeration
 # --------------------------------------------------------------------------------------
-def exact_outcomes(p_t: np.ndarray, p_d: np.ndarray, l: int) -> dict[tuple[int, ...], float]:
-    """Exact law of the emitted tokens of one request. p_t [K+1, V], p_d [K, V] (float64).
-
-    Drafts x_j ~ p_d[j] independently; accept x_j with prob min(1, p_t/p_d); on the first
-    rejection emit from norm(max(p_t - p_d, 0)); after l acceptances emit from p_t[l].
-    """
-    V = p_t.shape[1]
-    out: dict[tuple[int, ...], float] = defaultdict(float)
-
-    def walk(j: int, prefix: tuple[int, ...], prob: float) -> None:
-        if j == l:
-            for y in range(V):
-                if p_t[l, y] > 0:
-                    out[prefix + (y,)] += prob * p_t[l, y]
-            return
-        residual = np.maximum(p_t[j] - p_d[j], 0.0)
-        residual = residual / residual.sum() if residual.sum() > 0 else p_t[j]
-        for x in range(V):
-            if p_d[j, x] == 0:
-                continue
-            acc = min(1.0, p_t[j, x] / p_d[j, x])
-            if acc > 0:
-                walk(j + 1, prefix + (x,), prob * p_d[j, x] * acc)
-            if acc < 1.0:
-                for y in range(V):
-                    if residual[y] > 0:
-                        out[prefix + (y,)] += prob * p_d[j, x] * (1.0 - acc) * residual[y]
-
-    walk(0, (), 1.0)
-    return dict(out)
-
-
 def sample_outcomes(p_t: torch.Tensor, p_d: torch.Tensor, l: int, n: int, temperature: float = 1.0,
                     seed0: int = 0) -> Counter:
     """Run reference.verify on n independent requests sharing p_t / p_d; count emitted tuples."""
@@ -71,27 +40,6 @@ def sample_outcomes(p_t: torch.Tensor, p_d: torch.Tensor, l: int, n: int, temper
     return counts
 
 
-def chisquare_pvalue(counts: Counter, exact: dict[tuple[int, ...], float]) -> float:
-    """Chi-square goodness of fit, categories with expected count < 5 pooled into one bin."""
-    n = sum(counts.values())
-    assert set(counts) <= {k for k, v in exact.items() if v > 0}, "an outcome with probability 0 was emitted"
-    keys = sorted(exact)
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for k in keys:
-        e = exact[k] * n
-        if e < 5:
-            pool_o += counts.get(k, 0)
-            pool_e += e
-        else:
-            obs.append(counts.get(k, 0))
-            exp.append(e)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    exp_arr = np.array(exp) * (n / sum(exp))  # absorb float round-off in the total
-    return float(chisquare(np.array(obs, dtype=float), exp_arr).pvalue)
-
-
 P_T = torch.tensor([[0.50, 0.20, 0.20, 0.10],
                     [0.05, 0.60, 0.25, 0.10],
                     [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
@@ -104,7 +52,7 @@ P_D = torch.tensor([[0.25, 0.25, 0.40, 0.10],
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("l", [0, 1, 2])
 def test_enumeration_first_emitted_token_follows_the_target_exactly(l: int) -> None:
-    exact = exact_outcomes(P_T.numpy(), P_D.numpy(), l)
+    exact = exact_verify_outcomes(P_T.numpy(), P_D.numpy(), l)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-12)
     first = np.zeros(4)
     for k, v in exact.items():
@@ -113,7 +61,7 @@ def test_enumeration_first_emitted_token_follows_the_target_exactly(l: int) -> N
 
 
 def test_enumeration_acceptance_probability_is_sum_of_min() -> None:
-    exact = exact_outcomes(P_T.numpy(), P_D.numpy(), 2)
+    exact = exact_verify_outcomes(P_T.numpy(), P_D.numpy(), 2)
     p_len_ge2 = sum(v for k, v in exact.items() if len(k) >= 2)  # first draft accepted
     assert p_len_ge2 == pytest.approx(float(torch.minimum(P_T[0], P_D[0]).sum()), abs=1e-12)
     p_len3 = sum(v for k, v in exact.items() if len(k) == 3)  # both accepted
@@ -122,7 +70,7 @@ def test_enumeration_acceptance_probability_is_sum_of_min() -> None:
 
 
 def test_enumeration_second_token_given_first_follows_the_target() -> None:
-    exact = exact_outcomes(P_T.numpy(), P_D.numpy(), 2)
+    exact = exact_verify_outcomes(P_T.numpy(), P_D.numpy(), 2)
     for a in range(4):
         cond = np.zeros(4)
         for k, v in exact.items():
@@ -138,13 +86,13 @@ def test_enumeration_second_token_given_first_follows_the_target() -> None:
 @pytest.mark.parametrize("l", [0, 1, 2])
 def test_reference_emits_the_enumerated_distribution(l: int) -> None:
     counts = sample_outcomes(P_T.float(), P_D.float(), l, n=20000)
-    assert chisquare_pvalue(counts, exact_outcomes(P_T.numpy(), P_D.numpy(), l)) > 1e-3
+    assert chisquare_pvalue(counts, exact_verify_outcomes(P_T.numpy(), P_D.numpy(), l)) > 1e-3
 
 
 def test_reference_with_temperature_emits_the_enumerated_distribution() -> None:
     # logits = T * log p  ->  softmax(logits / T) = p
     counts = sample_outcomes(P_T.float(), P_D.float(), 2, n=20000, temperature=0.7, seed0=99)
-    assert chisquare_pvalue(counts, exact_outcomes(P_T.numpy(), P_D.numpy(), 2)) > 1e-3
+    assert chisquare_pvalue(counts, exact_verify_outcomes(P_T.numpy(), P_D.numpy(), 2)) > 1e-3
 
 
 def test_acceptance_frequency_per_position_matches_the_exact_probability() -> None:
@@ -336,4 +284,4 @@ def test_ops_verify_on_cpu_is_the_reference_with_one_notice(caplog: pytest.LogCa
 
 def test_enumeration_of_a_deterministic_case() -> None:
     p = np.eye(3)  # p_d = p_t one-hot: every draft accepted, the bonus is token 2
-    assert exact_outcomes(p, p[:2], 2) == {(0, 1, 2): 1.0}
+    assert exact_verify_outcomes(p, p[:2], 2) == {(0, 1, 2): 1.0}
