@@ -220,12 +220,18 @@ def test_top_k_sampling_follows_the_truncated_distribution() -> None:
 # --------------------------------------------------------------------------------------
 # Determinism
 # --------------------------------------------------------------------------------------
-def test_same_seed_and_offset_give_the_same_result_and_offsets_change_it() -> None:
-    n, K, V = 64, 3, 6
-    g = torch.Generator().manual_seed(0)
+def _sampled_batch(n: int, K: int, V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(drafts [n, K] sampled from p_d, p_d [n, K, V], target logits [n, K+1, V]) at a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, K + 1, V, generator=g)
     p_d = torch.softmax(torch.randn(n, K, V, generator=g), -1)
     drafts = torch.multinomial(p_d.reshape(-1, V), 1, generator=g).reshape(n, K)
+    return drafts, p_d, logits
+
+
+def test_same_seed_and_offset_give_the_same_result_and_offsets_change_it() -> None:
+    n, K, V = 64, 3, 6
+    drafts, p_d, logits = _sampled_batch(n, K, V, seed=0)
     args = (drafts, p_d, logits, torch.full((n,), K), torch.ones(n))
     a = verify(*args, seed=torch.arange(n), offset=torch.full((n,), 3))
     b = verify(*args, seed=torch.arange(n), offset=torch.full((n,), 3))
@@ -236,10 +242,7 @@ def test_same_seed_and_offset_give_the_same_result_and_offsets_change_it() -> No
 
 def test_rows_are_independent_of_their_batch() -> None:
     n, K, V = 16, 2, 5
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(n, K + 1, V, generator=g)
-    p_d = torch.softmax(torch.randn(n, K, V, generator=g), -1)
-    drafts = torch.multinomial(p_d.reshape(-1, V), 1, generator=g).reshape(n, K)
+    drafts, p_d, logits = _sampled_batch(n, K, V, seed=1)
     full = verify(drafts, p_d, logits, torch.full((n,), K), torch.ones(n), seed=torch.arange(n))
     part = verify(drafts[5:9], p_d[5:9], logits[5:9], torch.full((4,), K), torch.ones(4), seed=torch.arange(5, 9))
     assert torch.equal(full.output_tokens[5:9], part.output_tokens)
