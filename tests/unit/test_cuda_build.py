@@ -142,18 +142,23 @@ def test_philox_matches_the_known_answer_vectors(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------
 # TensorRT plugin
 # --------------------------------------------------------------------------------------
-@slow
-@needs_trt
-def test_trt_plugin_source_compiles_against_tensorrt_headers() -> None:
+def _host_compiler_and_cuda() -> tuple[str, Path]:
+    """(C++ compiler, CUDA toolkit) for building the TensorRT plugin on the host; skips without them."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    cuda_home = _cuda_home()
-    if cuda_home is None:
-        pytest.skip("CUDA headers not found (TensorRT's headers include cuda_runtime_api.h)")
-    cuda_inc = cuda_home / "include"
+    cuda = _cuda_home()
+    if cuda is None:
+        pytest.skip("CUDA toolkit not found (TensorRT's headers include cuda_runtime_api.h)")
+    return cxx, cuda
+
+
+@slow
+@needs_trt
+def test_trt_plugin_source_compiles_against_tensorrt_headers() -> None:
+    cxx, cuda = _host_compiler_and_cuda()
     cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-deprecated-declarations", f"-I{TRT_INCLUDE}",
-           f"-I{cuda_inc}", f"-I{CSRC}", f"-I{TRT}", str(TRT / "dspark_plugin.cpp")]
+           f"-I{cuda / 'include'}", f"-I{CSRC}", f"-I{TRT}", str(TRT / "dspark_plugin.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
     assert res.returncode == 0, res.stderr
 
@@ -289,12 +294,7 @@ int main() {
 @needs_trt
 @needs_nvcc
 def test_trt_plugin_drives_through_the_iplugin_v3_interfaces(tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    cuda = _cuda_home()
-    if cuda is None:
-        pytest.skip("CUDA toolkit not found")
+    cxx, cuda = _host_compiler_and_cuda()
     (tmp_path / "harness.cpp").write_text(
         HARNESS.replace("@SCHEDULE_MAX_CANDIDATES@", str(contract.SCHEDULE_MAX_CANDIDATES)))
     exe = tmp_path / "harness"
