@@ -18,12 +18,12 @@ from .sts import StsCalibration, calibration_report
 
 def held_out_prompts(cfg, target, limit: int) -> list[str]:
     from dspark.training.data import read_records
+    from dspark.training.trainer import train_count
 
     records = read_records(cfg.run_dir / "data" / "records.jsonl")
     if not records:
         raise RuntimeError(f"no records in {cfg.run_dir / 'data'}: run `dspark prepare-data` first")
-    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
-    held = records[n_train:] or records[-1:]
+    held = records[train_count(len(records), cfg.data.holdout_fraction):] or records[-1:]
     tok = target.tokenizer
     # the records hold chat-templated prompt ids; decode back to text for the engine's chat path
     texts = []

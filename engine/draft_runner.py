@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dspark.training.algorithms import algorithm
 from dspark.training.models import BlockDrafter, Eagle3Drafter, Proposal
 
 
@@ -168,9 +169,12 @@ class Eagle3DraftRunner:
         self.last_hidden[dst] = self.last_hidden[src]
 
 
+RUNNERS = {"block": BlockDraftRunner, "autoregressive": Eagle3DraftRunner}  # by drafter kind (training/algorithms.py)
+
+
 def make_draft_runner(drafter, max_slots: int):
-    if isinstance(drafter, Eagle3Drafter):
-        return Eagle3DraftRunner(drafter, max_slots)
-    if isinstance(drafter, BlockDrafter):
-        return BlockDraftRunner(drafter, max_slots)
-    raise TypeError(f"no draft runner for {type(drafter).__name__}")
+    """The runner of the drafter's kind (its registered algorithm's)."""
+    kind = algorithm(drafter.cfg.algo).kind
+    if kind not in RUNNERS:
+        raise TypeError(f"no draft runner for {kind!r} drafters ({type(drafter).__name__})")
+    return RUNNERS[kind](drafter, max_slots)

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 
-def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("dspark", "dflash", "eagle3")) -> dict:
+def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] | None = None) -> dict:
+    """``algos``: profile names (configs/algos/); default every registered algorithm."""
+    from dspark.training.algorithms import REGISTRY
     from dspark.training.checkpoint import load_checkpoint, read_meta
     from dspark.training.config import load_algo
     from dspark.training.data import prepare_data
@@ -29,6 +31,7 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] = ("
 
     from .evaluate import evaluate, print_table
 
+    algos = REGISTRY.names() if algos is None else algos
     target = load_target(cfg.target)
     prepare_data(cfg, target)
     results, timings, plans, layers = [], {}, {}, {}

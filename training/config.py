@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 @dataclass
 class TargetProfile:
     name: str = "smollm2-135m"
-    family: str = "llama"
+    family: str = "llama"  # the target's model family: a model of another family is refused (models.check_target_family)
     source: str | None = "embedded:smollm2"  # local HF dir, a .gguf file, or embedded:<name>
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 15, 22, 28])
     mask_token_id: int = 16
@@ -53,9 +53,11 @@ class LossConfig:
 
 @dataclass
 class AlgoConfig:
-    algo: str = "dspark"  # dspark | dflash | eagle3
-    markov_head: str = "vanilla"  # vanilla | rnn | none
-    confidence_head: bool = True
+    algo: str = "dspark"  # a registered algorithm (training/algorithms.py): dspark | dflash | eagle3
+    # the drafter kind (block | autoregressive); must be the registered algorithm's
+    kind: str = "block"
+    markov_head: str = "vanilla"  # vanilla | rnn | none (block drafters)
+    confidence_head: bool = True  # block drafters
     # the vanilla Markov head starts at zero (DFlash behaviour), or as the training answers'
     # bigram table (training/markov_init.py)
     markov_init: str = "zero"  # zero | bigram
@@ -270,15 +272,16 @@ def load_run_config(path_or_name: str | None = None, overrides: list[str] | None
     else:
         raise ConfigError(f"algo must be a profile name or a mapping, got {algo_ref!r}")
     _merge(cfg, merged)
-    if cfg.algo.algo not in ("dspark", "dflash", "eagle3"):
-        raise ConfigError(f"algo.algo must be dspark, dflash or eagle3, got {cfg.algo.algo!r}")
+    from .algorithms import algorithm  # the registry imports the models, which import this module
+
+    algorithm(cfg.algo.algo).check(cfg.algo)
     if cfg.algo.markov_head not in ("vanilla", "rnn", "none"):
         raise ConfigError(f"algo.markov_head must be vanilla, rnn or none, got {cfg.algo.markov_head!r}")
     if cfg.data.features not in ("cache", "online"):
         raise ConfigError(f"data.features must be cache or online, got {cfg.data.features!r}")
     if cfg.algo.markov_init not in ("zero", "bigram"):
         raise ConfigError(f"algo.markov_init must be zero or bigram, got {cfg.algo.markov_init!r}")
-    if cfg.algo.markov_init == "bigram" and cfg.algo.algo == "dspark" and cfg.algo.markov_head != "vanilla":
+    if cfg.algo.markov_init == "bigram" and cfg.algo.markov_head != "vanilla":
         raise ConfigError(f"algo.markov_init=bigram starts the vanilla Markov head only, and algo.markov_head is "
                           f"{cfg.algo.markov_head!r}: add algo.markov_init=zero")
     if cfg.algo.draft_layers is not None and cfg.algo.draft_layers < 1:

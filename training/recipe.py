@@ -29,7 +29,8 @@ class ResumeMismatch(ConfigError):
 def training_recipe(run_cfg, drafter_cfg) -> dict[str, Any]:
     """Flat ``{"section.key": value}`` of what decides the trained weights."""
     out: dict[str, Any] = {f"drafter.{k}": v for k, v in dataclasses.asdict(drafter_cfg).items()}
-    out.update(_flat("algo", dataclasses.asdict(run_cfg.algo)))
+    # algo.kind follows from algo.algo (the registry refuses any other), so it decides nothing more
+    out.update({k: v for k, v in _flat("algo", dataclasses.asdict(run_cfg.algo)).items() if k != "algo.kind"})
     out.update({f"train.{k}": getattr(run_cfg.train, k) for k in _TRAIN_KEYS})
     out.update({f"data.{k}": getattr(run_cfg.data, k) for k in _DATA_KEYS})
     return out

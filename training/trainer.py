@@ -11,11 +11,11 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -23,25 +23,16 @@ from .checkpoint import load_checkpoint, read_meta, save_checkpoint
 from .config import RunConfig
 from .data import FeatureCache, Record, iterate_batches, read_records
 from .draft_vocab import choose_draft_vocab
-from .loss import LossTerms, TargetDist, block_loss, eagle_loss, target_dist, target_dist_from_lse
+from .loss import LossTerms
+from .loss_steps import Batch, LossStep, target_at  # noqa: F401  (target_at: the trainer's public helpers)
 from .markov_init import init_markov_from_bigrams
+from .algorithms import algorithm
 from .models import build_drafter, drafter_config_for
 from .models.layers import copy_target_layers
 from .recipe import check_resume, training_recipe
 
 log = logging.getLogger(__name__)
 MAX_TRAIN_TOKENS = 512
-
-
-@dataclass
-class Batch:
-    tokens: torch.Tensor  # [N, T]
-    aux: torch.Tensor  # [N, T, m*d]
-    last: torch.Tensor  # [N, T, d]
-    lengths: torch.Tensor  # [N]
-    prompt_lens: torch.Tensor  # [N]
-    lse: torch.Tensor | None = None  # [N, T] target log-normalizers (a cache with target stats)
-    argmax: torch.Tensor | None = None  # [N, T] the target's greedy tokens there
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,81 +86,6 @@ def collate(records: list[Record], idx: list[int], target, cache: FeatureCache |
                  None if lse is None else lse.to(device), None if top is None else top.to(device))
 
 
-def sample_anchors(b: Batch, blocks: int, gen: torch.Generator) -> torch.Tensor:
-    """Random anchors per sequence in [prompt_len - 1, length - 2]: every block predicts answer tokens."""
-    lo = (b.prompt_lens - 1).clamp(min=0).cpu()
-    hi = (b.lengths - 2).clamp(min=0).cpu()
-    span = (hi - lo + 1).clamp(min=1)
-    u = torch.rand(len(lo), blocks, generator=gen)
-    return (lo.unsqueeze(1) + (u * span.unsqueeze(1)).long().clamp(max=span.unsqueeze(1) - 1)).clamp(min=0).to(b.tokens.device)
-
-
-def block_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
-    """DSpark / DFlash loss on random anchor blocks."""
-    anchors = sample_anchors(b, cfg.train.blocks_per_seq, gen)  # [N, nb]
-    out = model(b.aux, b.tokens, anchors)
-    labels, valid, target = labels_at(core, b, core.label_positions(anchors))  # [N, nb, K]
-    lc = cfg.algo.loss
-    return block_loss(out.logits, target, labels, valid, out.conf_logits,
-                      lc.ce_weight, lc.l1_weight, lc.conf_weight, lc.gamma, draft_ids_of(core))
-
-
-def eagle_step(model: nn.Module, core: nn.Module, b: Batch, cfg: RunConfig, gen: torch.Generator) -> LossTerms:
-    """Eagle3 soft-CE with training-time test over ``ttt_steps`` unrolled steps."""
-    S = cfg.algo.loss.ttt_steps
-    # score the same number of positions as the block drafters see: blocks_per_seq * K
-    n_pos = min(cfg.train.blocks_per_seq * core.cfg.block_size, b.tokens.shape[1])
-    entries = core.entries_for(sample_anchors(b, n_pos, gen))  # [N, P]
-    h = model(b.aux, b.tokens, S, entries)  # [S, N, P, d]
-    _, valid, target = labels_at(core, b, core.label_positions(entries, S), row_axis=1)  # [S, N, P]
-    return eagle_loss(core.draft_head(h), target, valid, cfg.algo.loss.step_decay, draft_ids_of(core))
-
-
-def labels_at(core: nn.Module, b: Batch, pred: torch.Tensor, row_axis: int = 0
-              ) -> tuple[torch.Tensor, torch.Tensor, TargetDist]:
-    """Predicted token positions ``pred`` (a drafter's ``label_positions``: [N, nb, K] for a block
-    drafter, [S, N, P] for Eagle3; ``row_axis`` is the batch row's axis) -> (labels, valid, the
-    target's next-token distribution there), each shaped like ``pred``. Valid: an answer token
-    (inside the record, past its prompt)."""
-    N, T = b.tokens.shape
-    shape = [1] * pred.dim()
-    shape[row_axis] = N
-    valid = (pred < b.lengths.view(shape)) & (pred >= b.prompt_lens.view(shape))
-    safe = pred.clamp(max=T - 1)
-    rows = torch.arange(N, device=pred.device).view(shape)
-    labels = b.tokens[rows.expand_as(safe), safe]
-    return labels, valid, target_at(core, b, rows, safe - 1)
-
-
-@torch.no_grad()
-def target_at(core: nn.Module, b: Batch, rows: torch.Tensor, pos: torch.Tensor) -> TargetDist:
-    """The target's next-token distribution from the batch's final hidden states [N, T, d] at
-    (``rows``, ``pos``) (broadcast together; any shape), over the drafter's vocabulary.
-
-    Computed once per distinct (row, position) and gathered: overlapping blocks (and Eagle3's
-    unrolled steps) predict the same positions, and the LM head over the full vocabulary plus
-    its softmax is the largest cost of a CPU training step. With a draft vocabulary and the
-    cache's target stats only the draft ids' rows of the LM head are needed (8,192 of 49,152
-    on SmolLM2)."""
-    N, T, d = b.last.shape
-    flat = (rows * T + pos).reshape(-1)
-    uniq, inverse = torch.unique(flat, return_inverse=True)
-    hidden = b.last.reshape(N * T, d).index_select(0, uniq).to(core.lm_head.weight.dtype)
-    ids = draft_ids_of(core)
-    if ids is not None and b.lse is not None:
-        # float32 logits: they are normalized by a float32 lse, not by their own softmax
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = F.linear(hidden.float(), core.draft_head.weight.float())
-        dist = target_dist_from_lse(logits, b.lse.reshape(-1)[uniq], b.argmax.reshape(-1)[uniq])
-    else:
-        dist = target_dist(core.lm_head(hidden), ids)
-    return dist.take(inverse.view(torch.broadcast_shapes(rows.shape, pos.shape)))
-
-
-def draft_ids_of(drafter: nn.Module) -> torch.Tensor | None:
-    return drafter.draft_ids if drafter.cfg.draft_vocab_size else None
-
-
 def new_drafter(cfg: RunConfig, target, records: list[Record], n_train: int) -> nn.Module:
     """A fresh drafter; with ``target.draft_vocab`` its vocabulary comes from the training records."""
     drafter = build_drafter(drafter_config_for(cfg, target), target)
@@ -197,6 +113,12 @@ class _TrainForward(nn.Module):
         return self.drafter.forward_train(*args)
 
 
+def train_count(n_records: int, holdout_fraction: float) -> int:
+    """How many of a run's records are trained on: the first ones; the rest (the last
+    ``holdout_fraction``) are held out for estimates and STS calibration (engine/calibrate.py)."""
+    return max(1, int(n_records * (1 - holdout_fraction)))
+
+
 def _training_data(cfg: RunConfig, target, records: list[Record] | None = None
                    ) -> tuple[list[Record], int, FeatureCache | None]:
     """The run's records (all but the held-out tail are trained on) and its feature cache, if any."""
@@ -204,7 +126,7 @@ def _training_data(cfg: RunConfig, target, records: list[Record] | None = None
     records = records if records is not None else read_records(data_dir / "records.jsonl")
     if not records:
         raise RuntimeError(f"no training records in {data_dir}: run `dspark prepare-data` first")
-    n_train = max(1, int(len(records) * (1 - cfg.data.holdout_fraction)))
+    n_train = train_count(len(records), cfg.data.holdout_fraction)
     cache = FeatureCache(data_dir / "features", expect_target=target.identity()) if cfg.data.features == "cache" else None
     return records, n_train, cache
 
@@ -217,29 +139,52 @@ def _optimizer(params: list[nn.Parameter], cfg: RunConfig):
     return opt, sched
 
 
-def _step_kind(algo: str, device: torch.device, dtype: torch.dtype):
-    """The drafter's loss step and the autocast context its forward runs in (off in float32)."""
-    step_fn = eagle_step if algo == "eagle3" else block_step
-    return step_fn, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+@dataclass
+class _Session:
+    """What one training process steps with, set up once (``_session``) for ``train`` and
+    ``seconds_per_step`` alike."""
+    drafter: nn.Module  # the drafter itself (saved, evaluated)
+    model: nn.Module  # its training forward, wrapped once: DDP / FSDP under torchrun
+    params: list[nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: Any  # the learning-rate schedule (LambdaLR)
+    step_fn: LossStep  # the algorithm's loss step (training/algorithms.py)
+    autocast: Any  # the autocast context the forward runs in (off in float32)
+
+    def optimize(self, batch: Batch, cfg: RunConfig, gen: torch.Generator) -> tuple[LossTerms, torch.Tensor]:
+        """One optimizer step: loss, backward, clip, update. Returns the loss terms and the grad norm."""
+        with self.autocast:
+            terms = self.step_fn(self.model, self.drafter, batch, cfg, gen)
+        self.opt.zero_grad(set_to_none=True)
+        terms.total.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, cfg.train.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        return terms, gnorm
 
 
-def _optimize(model, drafter, params, opt, sched, batch: Batch, cfg: RunConfig, gen: torch.Generator,
-              step_fn, autocast) -> tuple[LossTerms, torch.Tensor]:
-    """One optimizer step: loss, backward, clip, update. Returns the loss terms and the grad norm."""
-    with autocast:
-        terms = step_fn(model, drafter, batch, cfg, gen)
-    opt.zero_grad(set_to_none=True)
-    terms.total.backward()
-    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-    opt.step()
-    sched.step()
-    return terms, gnorm
+def _session(cfg: RunConfig, drafter: nn.Module, device: torch.device, dtype: torch.dtype, world: int) -> _Session:
+    """Move the drafter to ``device`` in training mode, wrap its training forward once (DDP or
+    FSDP when ``world`` > 1), and build the optimizer and the algorithm's loss step."""
+    drafter = drafter.to(device=device)
+    drafter.train()
+    model: nn.Module = _TrainForward(drafter)
+    if world > 1:
+        if cfg.train.distributed == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            model = FSDP(model, use_orig_params=True)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, sched = _optimizer(params, cfg)
+    return _Session(drafter, model, params, opt, sched, algorithm(drafter.cfg.algo).loss_step,
+                    torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
 
 
 @torch.no_grad()
-def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record], holdout: range, target,
-                      cache: FeatureCache | None, cfg: RunConfig, device: torch.device, step_fn, autocast
-                      ) -> dict[str, float | list[float]] | None:
+def heldout_estimates(run: _Session, records: list[Record], holdout: range, target, cache: FeatureCache | None,
+                      cfg: RunConfig, device: torch.device) -> dict[str, float | list[float]] | None:
     """Teacher-forced acceptance estimates on the held-out records, per draft position.
 
     ``top1``: agreement of the drafter's argmax with the target's (the greedy acceptance rate);
@@ -252,17 +197,17 @@ def heldout_estimates(model: nn.Module, drafter: nn.Module, records: list[Record
         return None
     bs = cfg.train.batch_size
     top1, est = [], []  # per batch, weighted by its number of records
-    drafter.eval()
+    run.drafter.eval()
     try:
         for j in range(0, len(holdout), bs):
             idx = list(holdout[j:j + bs])
             batch = collate(records, idx, target, cache, device)
-            with autocast:
-                terms = step_fn(model, drafter, batch, cfg, torch.Generator().manual_seed(j))
+            with run.autocast:
+                terms = run.step_fn(run.model, run.drafter, batch, cfg, torch.Generator().manual_seed(j))
             top1.append(terms.top1_match.float().cpu() * len(idx))
             est.append(terms.accept_est.float().cpu() * len(idx))
     finally:
-        drafter.train()
+        run.drafter.train()
     top1, est = torch.stack(top1).sum(0) / len(holdout), torch.stack(est).sum(0) / len(holdout)
     return {"top1": top1.tolist(), "accept_est": est.tolist(),
             "accept_len_est": 1.0 + float(torch.cumprod(est, 0).sum())}
@@ -280,21 +225,15 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 20) -> float:
     import time
 
     device = resolve_device(cfg.train.device)
-    dtype = resolve_dtype(cfg.train.dtype, device)
     records, n_train, cache = _training_data(cfg, target)
-    drafter = new_drafter(cfg, target, records, n_train).to(device=device)
-    drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt, sched = _optimizer(params, cfg)
-    step_fn, autocast = _step_kind(drafter.cfg.algo, device, dtype)
+    run = _session(cfg, new_drafter(cfg, target, records, n_train), device,
+                   resolve_dtype(cfg.train.dtype, device), world=1)
     batches = iterate_batches(n_train, cfg.train.batch_size, cfg.train.seed)
-    model = _TrainForward(drafter)
     times = []
     for step in range(probe_steps + 1):
         t0 = time.perf_counter()
         batch = collate(records, next(batches), target, cache, device)
-        gen = torch.Generator().manual_seed(step)
-        _optimize(model, drafter, params, opt, sched, batch, cfg, gen, step_fn, autocast)
+        run.optimize(batch, cfg, torch.Generator().manual_seed(step))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -367,20 +306,9 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
             log.info("resuming from %s at step %d", last_ckpt, start_step)
     else:
         drafter = new_drafter(cfg, target, records, n_train)
-    drafter = drafter.to(device=device)
-    drafter.train()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    model: nn.Module = _TrainForward(drafter)
-    if world > 1:
-        if cfg.train.distributed == "fsdp":
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-            model = FSDP(model, use_orig_params=True)
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        params = [p for p in model.parameters() if p.requires_grad]
+    run = _session(cfg, drafter, device, dtype, world)
+    drafter, opt, sched = run.drafter, run.opt, run.sched
     total = cfg.train.steps
-    opt, sched = _optimizer(params, cfg)
     if train_state is not None:
         opt.load_state_dict(train_state["optimizer"])
         sched.load_state_dict(train_state["scheduler"])
@@ -390,7 +318,6 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
                         {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "recipe": recipe})
 
     writer = SummaryWriter(str(run_dir / "tb")) if rank == 0 else None
-    step_fn, autocast = _step_kind(dcfg.algo, device, dtype)
     batches = iterate_batches(n_train, cfg.train.batch_size * world, cfg.train.seed, start_step)
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc=f"train {dcfg.algo}",
                disable=not progress or rank != 0, unit="step")
@@ -404,7 +331,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
         idx = idx[rank::world] or idx[:1]
         batch = collate(records, idx, target, cache, device)
         gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step * world + rank)
-        terms, gnorm = _optimize(model, drafter, params, opt, sched, batch, cfg, gen, step_fn, autocast)
+        terms, gnorm = run.optimize(batch, cfg, gen)
         if writer is not None and (step % cfg.train.log_every == 0 or step == total - 1):
             _log_step(writer, step, terms, sched.get_last_lr()[0], float(gnorm))
             shown = {"loss": f"{terms.total.item():.3f}", "acc1": f"{terms.accept_est[0].item():.2f}"}
@@ -413,8 +340,7 @@ def train(cfg: RunConfig, target=None, records: list[Record] | None = None, prog
             bar.set_postfix(shown)
         done = step + 1
         if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == total):
-            val = heldout_estimates(model, drafter, records, range(n_train, len(records)), target, cache, cfg,
-                                    device, step_fn, autocast)
+            val = heldout_estimates(run, records, range(n_train, len(records)), target, cache, cfg, device)
             if writer is not None and val is not None:
                 _log_heldout(writer, done, val)
         if rank == 0 and (done % cfg.train.save_every == 0 or done == total):

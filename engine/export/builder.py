@@ -74,6 +74,20 @@ def tool_versions() -> dict[str, str | None]:
     return out
 
 
+def _dspark_layout():
+    from .hf_export import check_exportable, export_hf
+    return check_exportable, export_hf
+
+
+def _eagle3_layout():
+    from .eagle3_export import check_eagle3_exportable, export_eagle3
+    return check_eagle3_exportable, export_eagle3
+
+
+# the hf/ checkpoint layouts by export format (training/algorithms.py): () -> (check, export)
+HF_LAYOUTS = {"dspark-hf": _dspark_layout, "eagle3-hf": _eagle3_layout}
+
+
 def _skip(items: list[str], which: Sequence[str], reason: str, asked: bool, skipped: dict[str, dict]) -> list[str]:
     """Drop the build targets ``which`` from ``items`` with ``reason``: a BuildError when the user
     asked for them (``asked``), else recorded in ``skipped``."""
@@ -108,6 +122,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     from .trtllm_options import TrtllmVersionError, resolve_version
     from dspark.training.checkpoint import KIT_VERSION, read_meta
     from dspark.training.config import TargetProfile, load_target_profile
+    from dspark.training.algorithms import algorithm
     from dspark.training.models import DrafterConfig
 
     from dspark.engine.proposers import SuffixConfig
@@ -132,10 +147,14 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     except TrtllmVersionError as exc:
         raise BuildError(str(exc)) from None
     skipped: dict[str, dict] = {}
-    if dcfg.algo == "eagle3":
-        reason = ("an eagle3 drafter has no block-drafter ONNX / TensorRT graph and no TensorRT-LLM DSpark "
-                  "options; its hf/ export is the EAGLE-3 layout")
-        items = _skip(items, ("onnx", "trtllm", "trt"), reason, what is not None, skipped)
+    algo = algorithm(dcfg.algo)
+    hf_layout = next((f for f in HF_LAYOUTS if algo.supports(f)), None)
+    unsupported = [w for w in ("onnx", "trtllm", "trt") if not algo.supports(w)] + ([] if hf_layout else ["hf"])
+    if unsupported:
+        reason = (f"a {dcfg.algo} drafter exports {', '.join(algo.exports) or 'nothing'} only "
+                  "(training/algorithms.py); an autoregressive drafter has no block-drafter ONNX / TensorRT graph "
+                  "and no TensorRT-LLM DSpark options")
+        items = _skip(items, unsupported, reason, what is not None, skipped)
     if (out / "engine.json").exists() and not force:
         raise BuildError(f"{out} already holds an engine (engine.json); pass --force to overwrite")
     sps_table = sts_cal = None
@@ -162,11 +181,9 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
     from dspark.training.checkpoint import load_checkpoint
     drafter, dcfg, dmeta = load_checkpoint(drafter_dir, target)  # refuses a drafter for another target
     if "hf" in items:
-        from .eagle3_export import check_eagle3_exportable
-        from .hf_export import check_exportable
         from .layout import ExportError
         try:
-            (check_eagle3_exportable if dcfg.algo == "eagle3" else check_exportable)(drafter)
+            HF_LAYOUTS[hf_layout]()[0](drafter)
         except ExportError as exc:
             items = _skip(items, ("hf", "trtllm"), str(exc), what is not None, skipped)
     weights = []
@@ -193,12 +210,7 @@ def build_engine(*, drafter_dir: str | Path, output: str | Path, target_profile=
         built["onnx"] = export_onnx(drafter, out / "onnx" / "dspark_draft.onnx", sps_table=dense,
                                     sts_temperatures=sts_cal.temperatures if sts_cal else None, max_tokens=n_tokens)
     if "hf" in items:
-        if dcfg.algo == "eagle3":
-            from .eagle3_export import export_eagle3
-            built["hf"] = export_eagle3(drafter, target, out / "hf", dtype)
-        else:
-            from .hf_export import export_hf
-            built["hf"] = export_hf(drafter, target, out / "hf", dtype)
+        built["hf"] = HF_LAYOUTS[hf_layout]()[1](drafter, target, out / "hf", dtype)
     if "trtllm" in items:
         from .trtllm_options import sps_to_trtllm, write_trtllm_options
         sps_rel = None

@@ -127,11 +127,11 @@ def import_deepspec(path: str | Path, target):
     ours, frozen = from_deepspec_state(state)
     kit = (conf.get("dspark_kit") or {}).get("drafter") or {}
     w1, w2 = ours.get("markov.w1.weight"), ours.get("markov.w2.weight")
-    if (kit.get("algo") == "dflash" and cfg.markov_head == "vanilla" and not cfg.confidence_head
+    if (kit.get("markov_head") == "none" and cfg.markov_head == "vanilla" and not cfg.confidence_head
             and w1 is not None and w2 is not None and not bool(w1.any()) and not bool(w2.any())):
         # our DFlash export: the all-zero Markov head engines need (hf_export.NULL_MARKOV_RANK)
         del ours["markov.w1.weight"], ours["markov.w2.weight"]
-        cfg = dataclasses.replace(cfg, algo="dflash", markov_head="none",
+        cfg = dataclasses.replace(cfg, algo=kit.get("algo", cfg.algo), markov_head="none",
                                   markov_rank=int(kit.get("markov_rank", cfg.markov_rank)))
     if cfg.draft_vocab_size:
         if "d2t" not in frozen:

@@ -29,6 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from dspark.training.algorithms import algorithm
+
 from .layout import DTYPES, ExportError, d2t_t2d, draft_ids_from_d2t, target_config, write_checkpoint_dir
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3ImportError", "check_eagle3_exportable", "to_eagle3_state",
@@ -63,7 +65,7 @@ def _rename(name: str, to_eagle3: bool = True) -> str | None:
 
 def check_eagle3_exportable(drafter) -> None:
     cfg = drafter.cfg
-    if cfg.algo != "eagle3":
+    if not algorithm(cfg.algo).supports("eagle3-hf"):
         raise ExportError(f"the EAGLE-3 layout holds eagle3 drafters, not {cfg.algo!r} (block drafters export "
                           "in the DSpark layout)")
     if cfg.layer_style not in EAGLE3_ARCHITECTURES:

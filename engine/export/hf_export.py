@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.training.algorithms import algorithm
+
 from .layout import DTYPES, ExportError, d2t_t2d, target_config, write_checkpoint_dir
 
 __all__ = ["ExportError", "NULL_MARKOV_RANK", "NAME_PAIRS", "rename_tensor", "to_deepspec_state", "deepspec_config", "export_hf",
@@ -84,7 +86,7 @@ def _to_reference(name: str) -> str:
 def check_exportable(drafter) -> None:
     """Raise ExportError naming why ``drafter`` has no DSpark-layout counterpart; None when it has."""
     cfg = drafter.cfg
-    if cfg.algo not in ("dspark", "dflash"):
+    if not algorithm(cfg.algo).supports("dspark-hf"):
         raise ExportError(f"the DSpark layout holds block drafters (dspark, dflash), not {cfg.algo!r} "
                           "(an eagle3 drafter exports in the EAGLE-3 layout)")
     if cfg.markov_head not in ("vanilla", "none"):

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from dspark.plugins import contract
+from dspark.training.algorithms import algorithm
 from dspark.training.models.block_drafter import draft_distribution
 
 from ..sts import apply_sts
@@ -83,8 +84,8 @@ class DraftStep(nn.Module):
     def __init__(self, drafter: nn.Module, sts_temperatures: Sequence[float] | None = None, sampled: bool = False):
         super().__init__()
         cfg = drafter.cfg
-        if not hasattr(drafter, "draft_block"):
-            raise OnnxExportError(f"ONNX export covers block drafters, not a {cfg.algo!r} drafter")
+        if not algorithm(cfg.algo).supports("onnx"):
+            raise OnnxExportError(f"ONNX export covers block drafters (dspark, dflash), not {cfg.algo!r}")
         self.drafter = drafter
         self.K = cfg.block_size
         self.sampled = sampled

@@ -1,6 +1,7 @@
 """Trainer resume determinism and checkpoint validation (tiny random target, online features)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -82,23 +83,22 @@ def test_heldout_estimates_are_logged_without_changing_the_training(tmp_path):
     assert 0.0 <= ea.Scalars("val/top1_match/pos1")[-1].value <= 1.0
 
 
-def test_training_reduces_the_loss(tmp_path):
+def test_training_reduces_the_loss(tmp_path, monkeypatch):
     target, records = make_tiny_target(), _records(6)
     cfg = _cfg(tmp_path, "dspark", "fit", 40, 40)
     cfg.train.lr = 3e-3
-    from dspark.training import trainer as tr
+    from dspark.training import algorithms
     losses = []
-    orig = tr.block_step
+    orig = algorithms.algorithm("dspark").loss_step
 
     def spy(*a, **k):
         t = orig(*a, **k)
         losses.append(t.total.item())
         return t
-    tr.block_step = spy
-    try:
-        train(cfg, target, records, progress=False)
-    finally:
-        tr.block_step = orig
+    # the loss step is the registry entry's: spy on it there
+    monkeypatch.setattr(algorithms, "REGISTRY", algorithms.Registry(tuple(
+        dataclasses.replace(a, loss_step=spy) if a.name == "dspark" else a for a in algorithms.REGISTRY)))
+    train(cfg, target, records, progress=False)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
