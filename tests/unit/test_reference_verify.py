@@ -268,6 +268,15 @@ def test_bad_shapes_raise_clear_errors() -> None:
 # --------------------------------------------------------------------------------------
 # ops.verify on CPU: the reference, with a one-time notice
 # --------------------------------------------------------------------------------------
+def test_ops_take_exactly_the_references_arguments() -> None:
+    """ops mirrors the reference's signatures (names, order, defaults, annotations) on purpose:
+    callers switch between them freely, so the two must not drift apart."""
+    import inspect
+
+    for name in ("verify", "schedule_prefix"):
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(reference, name)), name
+
+
 def test_ops_verify_on_cpu_is_the_reference_with_one_notice(caplog: pytest.LogCaptureFixture) -> None:
     g = torch.Generator().manual_seed(2)
     n, K, V = 8, 2, 6
