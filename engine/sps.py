@@ -141,15 +141,8 @@ class SpsTable:
             self._fail(f"'tokens' has {len(self.tokens)} entries but 'steps_per_s' has {len(self.steps_per_s)}")
         if len(self.tokens) < 2:
             self._fail(f"needs at least 2 profiled token counts, got {len(self.tokens)}")
-        for t in self.tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-                self._fail(f"'tokens' must be integers >= 1, got {t!r}")
-        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
-            self._fail(f"'tokens' must be strictly increasing, got {self.tokens}")
-        for s in self.steps_per_s:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-                self._fail(f"'steps_per_s' must be finite numbers > 0, got {s!r}")
-        self.steps_per_s = [float(s) for s in self.steps_per_s]
+        self._check_counts("tokens", self.tokens)
+        self.steps_per_s = self._check_numbers("steps_per_s", self.steps_per_s, allow_zero=False)
         for name in ("device", "engine", "created_at"):
             if not isinstance(getattr(self, name), str):
                 self._fail(f"'{name}' must be a string, got {getattr(self, name)!r}")
@@ -166,15 +159,24 @@ class SpsTable:
         if not self.draft_requests or len(self.draft_requests) != len(self.draft_seconds):
             self._fail(f"'draft_requests' ({len(self.draft_requests)}) and 'draft_seconds' "
                        f"({len(self.draft_seconds)}) must be non-empty and of equal length")
-        for r in self.draft_requests:
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                self._fail(f"'draft_requests' must be integers >= 1, got {r!r}")
-        if any(b <= a for a, b in zip(self.draft_requests, self.draft_requests[1:])):
-            self._fail(f"'draft_requests' must be strictly increasing, got {self.draft_requests}")
-        for s in self.draft_seconds:
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
-                self._fail(f"'draft_seconds' must be finite numbers >= 0, got {s!r}")
-        self.draft_seconds = [float(s) for s in self.draft_seconds]
+        self._check_counts("draft_requests", self.draft_requests)
+        self.draft_seconds = self._check_numbers("draft_seconds", self.draft_seconds, allow_zero=True)
+
+    def _check_counts(self, key: str, values: list) -> None:
+        """``values`` are integers >= 1, strictly increasing (profiled token counts, batch sizes)."""
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                self._fail(f"'{key}' must be integers >= 1, got {v!r}")
+        if any(b <= a for a, b in zip(values, values[1:])):
+            self._fail(f"'{key}' must be strictly increasing, got {values}")
+
+    def _check_numbers(self, key: str, values: list, allow_zero: bool) -> list[float]:
+        """``values`` are finite numbers > 0 (>= 0 with ``allow_zero``) -> as floats."""
+        for v in values:
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < 0 or (v == 0 and not allow_zero)):
+                self._fail(f"'{key}' must be finite numbers {'>=' if allow_zero else '>'} 0, got {v!r}")
+        return [float(v) for v in values]
 
     @property
     def has_draft_cost(self) -> bool:
