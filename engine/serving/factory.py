@@ -71,3 +71,11 @@ def load_tokenizer(params: Mapping[str, str]):
     (empty target = the embedded default, SmolLM2-135M-Instruct)."""
     ref = parameter(params, "tokenizer_factory", DEFAULT_TOKENIZER_FACTORY) or DEFAULT_TOKENIZER_FACTORY
     return resolve(ref)(parameter(params, "target") or None)
+
+
+def text_model_setup(args: Mapping[str, str]) -> tuple[dict[str, str], list[str], Any]:
+    """What a text model (pre- or postprocessing) reads at ``initialize``: its parameters, its
+    input names and the tokenizer those parameters name, from the python backend's ``args``."""
+    config = json.loads(args["model_config"])
+    params = config_parameters(config)
+    return params, [i["name"] for i in config["input"]], load_tokenizer(params)

@@ -6,12 +6,10 @@ A chunk of a cancelled ensemble request stops its LLM request (a BLS ``stop`` re
 with the chunk's request_key): Triton does not cancel a running ensemble step itself.
 Parameters: target, tokenizer_factory, skip_special_tokens.
 """
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.factory import as_bool, parameter, text_model_setup
 from dspark.engine.serving.llm import CancelRelay
 from dspark.engine.serving.stubs import watch_server
 from dspark.engine.serving.tensors import answer_requests
@@ -33,11 +31,9 @@ def _send_stop(model_name, key):
 class TritonPythonModel:
     def initialize(self, args):
         watch_server()  # end this stub with its server, even after a kill -9 of the server
-        config = json.loads(args["model_config"])
-        params = config_parameters(config)
-        self.input_names = [i["name"] for i in config["input"]]
+        params, self.input_names, tokenizer = text_model_setup(args)
         self.post = Postprocessor(
-            load_tokenizer(params),
+            tokenizer,
             skip_special_tokens=as_bool(parameter(params, "skip_special_tokens", "true", env=False)))
         self.relay = CancelRelay(_send_stop)
 

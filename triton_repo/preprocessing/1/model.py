@@ -3,11 +3,9 @@
 Parameters: target, tokenizer_factory (``DSPARK_TARGET`` / ``DSPARK_TOKENIZER_FACTORY``
 override), apply_chat_template, system_prompt. Logic: dspark.engine.serving.text.
 """
-import json
-
 import triton_python_backend_utils as pb_utils
 
-from dspark.engine.serving.factory import as_bool, config_parameters, load_tokenizer, parameter
+from dspark.engine.serving.factory import as_bool, parameter, text_model_setup
 from dspark.engine.serving.stubs import watch_server
 from dspark.engine.serving.tensors import answer_requests
 from dspark.engine.serving.text import Preprocessor
@@ -16,11 +14,9 @@ from dspark.engine.serving.text import Preprocessor
 class TritonPythonModel:
     def initialize(self, args):
         watch_server()  # end this stub with its server, even after a kill -9 of the server
-        config = json.loads(args["model_config"])
-        params = config_parameters(config)
-        self.input_names = [i["name"] for i in config["input"]]
+        params, self.input_names, tokenizer = text_model_setup(args)
         self.pre = Preprocessor(
-            load_tokenizer(params),
+            tokenizer,
             apply_chat_template=as_bool(parameter(params, "apply_chat_template", "true", env=False)),
             system_prompt=parameter(params, "system_prompt", "", env=False))
 
