@@ -52,9 +52,12 @@ class DraftGate:
 
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 1024,
                  horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
-                 probe_budget: float = 0.01, draft_time: Callable[[int], float] | None = None) -> None:
+                 probe_budget: float = 0.01, draft_time: Callable[[int], float] | None = None,
+                 free_share: float = 0.0) -> None:
         """``draft_time(rows)``: seconds of the gated proposer's pass (``Proposer.cost().seconds``);
-        default the table's profiled drafter pass."""
+        default the table's profiled drafter pass. ``free_share``: a pass that costs less than this
+        share of a plain step always runs (skipping it could save no more than that, and a cheap
+        proposer, such as suffix lookups, whose matches come and go, loses more by a wrong skip)."""
         if draft_time is None and not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
@@ -66,6 +69,8 @@ class DraftGate:
             raise ValueError(f"horizon must be > 1 row, got {horizon}")
         if not prior_rows >= 0.0:
             raise ValueError(f"prior_rows must be >= 0, got {prior_rows}")
+        if not 0.0 <= free_share < 1.0:
+            raise ValueError(f"free_share must be in [0, 1), got {free_share}")
         if not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.table = table
@@ -76,6 +81,7 @@ class DraftGate:
         self.prior_rows = prior_rows
         self.probe_rows = probe_rows
         self.probe_budget = probe_budget
+        self.free_share = free_share
         self.reset()
 
     def reset(self) -> None:
@@ -125,7 +131,9 @@ class DraftGate:
     def rows_to_draft(self, requests: int) -> int:
         """How many of ``requests`` rows draft this step: all when drafting is predicted to pay,
         none when it is not, ``min(probe_rows, requests)`` on a probe step."""
-        if self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
+        if self.draft_time(requests) < self.free_share * self._step_time(requests):  # too cheap to gate
+            rows = requests
+        elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
         elif self.expected_gain(requests) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0

@@ -194,12 +194,14 @@ class SpecEngine:
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),
         with the hardware-aware schedulers: where suffix drafts do not pay (a large batch, T=1),
-        the lookups stop too. One imaginary empty row of prior: a wrong lookup costs only host time."""
+        the lookups stop too. One imaginary empty row of prior (a wrong lookup costs only host time),
+        and lookups costing under 2% of a plain step always run (a small batch: skipping them can
+        save little, while a skip that misses a match forgoes whole drafts)."""
         if not (self.cfg.adaptive_drafting and self.suffix is not None and sched in ("algorithm1", "async")
                 and isinstance(sps, SpsTable)):
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=self.suffix.cost().seconds,
-                         prior_rows=1.0)
+                         prior_rows=1.0, free_share=0.02)
 
     # -- the neural drafter's runner and backlog bound (tests and tools reach the drafter here) ------
     @property

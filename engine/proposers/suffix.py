@@ -56,9 +56,9 @@ class SuffixConfig:
     scope: str = "shared"  # shared | request (module docstring)
     shared_max_outputs: int = 256  # the shared ring keeps at most this many outputs ...
     shared_max_tokens: int = 65536  # ... and at most this many tokens
-    # host seconds per drafting row (propose + commit), for the drafting gate: the order of what
-    # scripts/replay_suffix.py measures (docs/benchmarks/suffix_replay.md, host ms/round)
-    host_seconds_per_row: float = 3e-4
+    # host seconds of one row's lookup (propose), for the suffix gate: what skipping a row saves (its
+    # commits run anyway); the order of the side-by-side harness's `suffix` ms per decode step per row
+    host_seconds_per_row: float = 1.5e-4
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:

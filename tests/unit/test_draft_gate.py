@@ -220,3 +220,14 @@ def test_suffix_lookups_are_gated_by_their_host_cost_and_stay_token_identical(ho
     else:
         assert len(looked) == steps, "free lookups must run on every decode step"
         assert engine.stats.by_proposer["suffix"].accepted > 0
+
+
+def test_a_pass_cheaper_than_the_free_share_of_a_step_always_runs():
+    table = _table(draft_seconds=0.01, verify_slope=0.0)  # a plain step is 1 s
+    gate = DraftGate(table, max_tokens=64, draft_time=lambda rows: 0.001 * rows, free_share=0.02)
+    gate.observe(8, 8, 0)  # history says drafting never pays ...
+    assert gate.expected_gain(4) < 1.0
+    assert gate.rows_to_draft(4) == 4  # ... but 4 ms of a 1 s step is too cheap to skip
+    assert gate.rows_to_draft(64) == 0  # 64 ms is not
+    with pytest.raises(ValueError, match="free_share"):
+        DraftGate(table, max_tokens=8, free_share=1.0)
