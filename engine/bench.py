@@ -9,6 +9,11 @@ table), ``suffix`` (the suffix proposer, no training) and ``hybrid`` (suffix + n
 fresh engine, so the suffix proposer's shared index starts empty; a run whose suffix
 systems would see a prompt twice is refused (its earlier answer would be in the index). Requests arrive staggered (one new
 request per engine step until the batch is full) so the engine runs in flight.
+
+This in-process benchmark is the quick one (a loaded target, every system in one process).
+The committed ``docs/benchmarks/decode.*`` and ``engine_vs_vllm.*`` come from the side-by-side
+harness (``engine/sidebyside.py``: each system in its own process, vLLM as a peer, per task and
+per temperature, the time of a decode step split by phase); their commands are in the files.
 """
 from __future__ import annotations
 
