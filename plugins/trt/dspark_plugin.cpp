@@ -70,13 +70,7 @@ bool dimMismatch(int64_t have, int64_t want) { return have >= 0 && have != want;
 
 }  // namespace
 
-// =======================================================================================
-// DSparkVerify
-// =======================================================================================
-DSparkVerifyPlugin::DSparkVerifyPlugin(int32_t block_size, int32_t vocab_size, int32_t greedy)
-    : mBlockSize(block_size), mVocabSize(vocab_size), mGreedy(greedy ? 1 : 0) {}
-
-IPluginCapability* DSparkVerifyPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
+IPluginCapability* PluginV3Base::getCapabilityInterface(PluginCapabilityType type) noexcept {
   switch (type) {
     case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
     case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
@@ -84,6 +78,12 @@ IPluginCapability* DSparkVerifyPlugin::getCapabilityInterface(PluginCapabilityTy
   }
   return nullptr;
 }
+
+// =======================================================================================
+// DSparkVerify
+// =======================================================================================
+DSparkVerifyPlugin::DSparkVerifyPlugin(int32_t block_size, int32_t vocab_size, int32_t greedy)
+    : mBlockSize(block_size), mVocabSize(vocab_size), mGreedy(greedy ? 1 : 0) {}
 
 IPluginV3* DSparkVerifyPlugin::clone() noexcept {
   try {
@@ -227,9 +227,7 @@ PluginFieldCollection const* DSparkVerifyPlugin::getFieldsToSerialize() noexcept
   mFields.emplace_back("block_size", &mBlockSize, PluginFieldType::kINT32, 1);
   mFields.emplace_back("vocab_size", &mVocabSize, PluginFieldType::kINT32, 1);
   mFields.emplace_back("greedy", &mGreedy, PluginFieldType::kINT32, 1);
-  mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-  mFieldCollection.fields = mFields.data();
-  return &mFieldCollection;
+  return mFields.collection();
 }
 
 // =======================================================================================
@@ -239,25 +237,13 @@ DSparkSchedulePlugin::DSparkSchedulePlugin(int32_t block_size, std::vector<float
     : mBlockSize(block_size), mSpsTable(std::move(sps_table)) {}
 
 DSparkSchedulePlugin::DSparkSchedulePlugin(DSparkSchedulePlugin const& other)
-    : IPluginV3(other),
-      IPluginV3OneCore(other),
-      IPluginV3OneBuild(other),
-      IPluginV3OneRuntime(other),
+    : PluginV3Base(other),
       mBlockSize(other.mBlockSize),
       mSpsTable(other.mSpsTable),
       mNbInputs(other.mNbInputs) {}  // the device table is per object: never shared
 
 DSparkSchedulePlugin::~DSparkSchedulePlugin() {
   if (mDeviceTable != nullptr) cudaFree(mDeviceTable);
-}
-
-IPluginCapability* DSparkSchedulePlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
-  switch (type) {
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-  }
-  return nullptr;
 }
 
 IPluginV3* DSparkSchedulePlugin::clone() noexcept {
@@ -386,9 +372,7 @@ PluginFieldCollection const* DSparkSchedulePlugin::getFieldsToSerialize() noexce
   mFields.clear();
   mFields.emplace_back("block_size", &mBlockSize, PluginFieldType::kINT32, 1);
   mFields.emplace_back("sps_table", mSpsTable.data(), PluginFieldType::kFLOAT32, static_cast<int32_t>(mSpsTable.size()));
-  mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-  mFieldCollection.fields = mFields.data();
-  return &mFieldCollection;
+  return mFields.collection();
 }
 
 // =======================================================================================
@@ -398,8 +382,6 @@ DSparkVerifyCreator::DSparkVerifyCreator() {
   mFields.emplace_back("block_size", nullptr, PluginFieldType::kINT32, 1);
   mFields.emplace_back("vocab_size", nullptr, PluginFieldType::kINT32, 1);
   mFields.emplace_back("greedy", nullptr, PluginFieldType::kINT32, 1);
-  mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-  mFieldCollection.fields = mFields.data();
 }
 
 IPluginV3* DSparkVerifyCreator::createPlugin(char const* name, PluginFieldCollection const* fc,
@@ -434,8 +416,6 @@ IPluginV3* DSparkVerifyCreator::createPlugin(char const* name, PluginFieldCollec
 DSparkScheduleCreator::DSparkScheduleCreator() {
   mFields.emplace_back("block_size", nullptr, PluginFieldType::kINT32, 1);
   mFields.emplace_back("sps_table", nullptr, PluginFieldType::kFLOAT32, 0);
-  mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
-  mFieldCollection.fields = mFields.data();
 }
 
 IPluginV3* DSparkScheduleCreator::createPlugin(char const* name, PluginFieldCollection const* fc,

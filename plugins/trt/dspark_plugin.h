@@ -26,6 +26,48 @@ constexpr char const* kScheduleName = "DSparkSchedule";
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "dspark";
 
+// A plugin's or creator's fields, handed to TensorRT as one PluginFieldCollection.
+class FieldList {
+ public:
+  void clear() { mFields.clear(); }
+  void emplace_back(char const* name, void const* data, nvinfer1::PluginFieldType type, int32_t length) {
+    mFields.emplace_back(name, data, type, length);
+  }
+  // The collection over the current fields (rebuilt on each call: adding may move them).
+  nvinfer1::PluginFieldCollection const* collection() noexcept {
+    mCollection.nbFields = static_cast<int32_t>(mFields.size());
+    mCollection.fields = mFields.data();
+    return &mCollection;
+  }
+
+ private:
+  std::vector<nvinfer1::PluginField> mFields;
+  nvinfer1::PluginFieldCollection mCollection{};
+};
+
+// What both plugins share: one object is the core, build and runtime interface, and the
+// plugin ids.
+class PluginV3Base : public nvinfer1::IPluginV3,
+                     public nvinfer1::IPluginV3OneCore,
+                     public nvinfer1::IPluginV3OneBuild,
+                     public nvinfer1::IPluginV3OneRuntime {
+ public:
+  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
+  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
+};
+
+// What both creators share: the plugin ids and the declared fields.
+class CreatorBase : public nvinfer1::IPluginCreatorV3One {
+ public:
+  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
+  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
+  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override { return mFields.collection(); }
+
+ protected:
+  FieldList mFields;
+};
+
 // ---------------------------------------------------------------------------------------
 // DSparkVerify
 //   fields : block_size (int32, K), vocab_size (int32, V), greedy (int32 0/1)
@@ -35,22 +77,16 @@ constexpr char const* kPluginNamespace = "dspark";
 //   inputs (greedy = 1): draft_tokens, target_logits, verify_lens
 //   outputs: num_accepted [R] int64, output_tokens [R,K+1] int64
 // ---------------------------------------------------------------------------------------
-class DSparkVerifyPlugin final : public nvinfer1::IPluginV3,
-                                 public nvinfer1::IPluginV3OneCore,
-                                 public nvinfer1::IPluginV3OneBuild,
-                                 public nvinfer1::IPluginV3OneRuntime {
+class DSparkVerifyPlugin final : public PluginV3Base {
  public:
   DSparkVerifyPlugin(int32_t block_size, int32_t vocab_size, int32_t greedy);
   ~DSparkVerifyPlugin() override = default;
 
   // IPluginV3
-  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
   nvinfer1::IPluginV3* clone() noexcept override;
 
   // IPluginV3OneCore
   char const* getPluginName() const noexcept override { return kVerifyName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
 
   // IPluginV3OneBuild
   int32_t getNbOutputs() const noexcept override { return 2; }
@@ -91,8 +127,7 @@ class DSparkVerifyPlugin final : public nvinfer1::IPluginV3,
   int32_t mBlockSize;
   int32_t mVocabSize;
   int32_t mGreedy;
-  std::vector<nvinfer1::PluginField> mFields;
-  nvinfer1::PluginFieldCollection mFieldCollection{};
+  FieldList mFields;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -101,22 +136,16 @@ class DSparkVerifyPlugin final : public nvinfer1::IPluginV3,
 //   inputs : confidence [R,K] f32, optionally max_lens [R] int64
 //   outputs: verify_lens [R] int64
 // ---------------------------------------------------------------------------------------
-class DSparkSchedulePlugin final : public nvinfer1::IPluginV3,
-                                   public nvinfer1::IPluginV3OneCore,
-                                   public nvinfer1::IPluginV3OneBuild,
-                                   public nvinfer1::IPluginV3OneRuntime {
+class DSparkSchedulePlugin final : public PluginV3Base {
  public:
   DSparkSchedulePlugin(int32_t block_size, std::vector<float> sps_table);
   DSparkSchedulePlugin(DSparkSchedulePlugin const& other);
   DSparkSchedulePlugin& operator=(DSparkSchedulePlugin const&) = delete;
   ~DSparkSchedulePlugin() override;
 
-  nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
   nvinfer1::IPluginV3* clone() noexcept override;
 
   char const* getPluginName() const noexcept override { return kScheduleName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
 
   int32_t getNbOutputs() const noexcept override { return 1; }
   int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
@@ -146,41 +175,26 @@ class DSparkSchedulePlugin final : public nvinfer1::IPluginV3,
   std::vector<float> mSpsTable;
   int32_t mNbInputs{1};
   double* mDeviceTable{nullptr};
-  std::vector<nvinfer1::PluginField> mFields;
-  nvinfer1::PluginFieldCollection mFieldCollection{};
+  FieldList mFields;
 };
 
 // ---------------------------------------------------------------------------------------
 // Creators.
 // ---------------------------------------------------------------------------------------
-class DSparkVerifyCreator final : public nvinfer1::IPluginCreatorV3One {
+class DSparkVerifyCreator final : public CreatorBase {
  public:
   DSparkVerifyCreator();
   char const* getPluginName() const noexcept override { return kVerifyName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
-  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override { return &mFieldCollection; }
   nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
-
- private:
-  std::vector<nvinfer1::PluginField> mFields;
-  nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 
-class DSparkScheduleCreator final : public nvinfer1::IPluginCreatorV3One {
+class DSparkScheduleCreator final : public CreatorBase {
  public:
   DSparkScheduleCreator();
   char const* getPluginName() const noexcept override { return kScheduleName; }
-  char const* getPluginVersion() const noexcept override { return kPluginVersion; }
-  char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
-  nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override { return &mFieldCollection; }
   nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
-
- private:
-  std::vector<nvinfer1::PluginField> mFields;
-  nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 
 }  // namespace trt
