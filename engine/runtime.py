@@ -82,6 +82,8 @@ class EngineConfig:
     sampling_rule: str = "coupled"
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     attention: str = "auto"  # auto (varlen kernel for fp32 on CPU) | varlen | sdpa: engine/target_runner.py
+    # prompt chunks in the same target pass as the verify rows (with varlen attention, no static steps)
+    fused_prefill: bool = True
     threads: int = 0  # intra-op threads (0: torch's default, one per usable core): engine/threads.py
     adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
     record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
@@ -141,8 +143,9 @@ class SpecEngine:
         self.threads = threads.configure(self.cfg.threads)
         self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context,
                                    attention=self.cfg.attention)
-        log.info("engine: %s, attention %s, proposers %s", threads.describe(),
-                 "varlen" if self.runner.varlen else "sdpa", "+".join(names))
+        log.info("engine: %s, target %s, attention %s, proposers %s", threads.describe(),
+                 str(self.runner.dtype).removeprefix("torch."), "varlen" if self.runner.varlen else "sdpa",
+                 "+".join(names))
         self.drafter = drafter if "neural" in names else None
         self.proposers: list[Proposer] = [
             build_proposer(n, max_slots=self.cfg.max_batch, drafter=self.drafter, sps=sps,
@@ -153,6 +156,9 @@ class SpecEngine:
         self.K = max(p.max_drafts for p in self.proposers)
         self.need_features = any(p.needs_features for p in self.proposers)
         self._use_static_steps()
+        # prompt chunks ride in the verify pass where attention is packed (no padded grid) and no
+        # fixed-shape steps are replayed (a mixed step fits no bucket)
+        self._fused = self.cfg.fused_prefill and isinstance(self.runner, TargetRunner) and self.runner.varlen
         has_conf = self.suffix is not None or (self.neural is not None and self.neural.has_confidence)
         sched = self.cfg.scheduler if has_conf else "fixed"
         if sched in ("algorithm1", "async") and sps is None:
@@ -299,15 +305,19 @@ class SpecEngine:
         self._reap()
         self._admit()
         prefilling = [r for r in self._active if r.anchor is None and not r.finished]
-        if prefilling:
-            self._prefill(prefilling)
         decoding = [r for r in self._active if r.anchor is not None and not r.finished]
+        chunks = self._prefill_chunks(prefilling) if prefilling else []
+        if chunks and not (decoding and self._fused):
+            self._prefill(chunks, self._prefill_forward(chunks))
+            chunks = []
         if decoding:
             temps = torch.tensor([r.params.temperature for r in decoding])
             batch = self._propose(decoding, temps)
             lens = self._schedule(decoding, batch)
-            res, out, L = self._verify_round(decoding, batch, lens, temps)
+            res, out, L, prefill_out = self._verify_round(decoding, batch, lens, temps, chunks)
             self._commit(decoding, batch, lens, res, out, L)
+            if chunks:
+                self._prefill(chunks, prefill_out)
         self.stats.steps += 1
         self._reap()
 
@@ -338,12 +348,20 @@ class SpecEngine:
             budget -= n
         return out
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        chunks = self._prefill_chunks(reqs)
+    @staticmethod
+    def _chunk_tokens(chunks: list[tuple[_Request, int]]) -> list[list[int]]:
+        return [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks]
+
+    def _prefill_forward(self, chunks: list[tuple[_Request, int]]):
+        """The target over this step's prompt chunks alone (no request is decoding, or fusing is off)."""
+        return self.runner.forward([r.slot for r, _ in chunks], self._chunk_tokens(chunks),
+                                   need_features=self.need_features, last_logits_only=True)
+
+    def _prefill(self, chunks: list[tuple[_Request, int]], out) -> None:
+        """Commit this step's prompt chunks (``out``: the target's output over them, last logits
+        only): cache lengths, the proposers' context, and each finished prompt's first token."""
         reqs = [r for r, _ in chunks]
-        toks = [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks]
-        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.need_features,
-                                  last_logits_only=True)
+        toks = self._chunk_tokens(chunks)
         # one device-to-host copy for the whole batch: a copy per request is a sync per request
         aux_host = out.aux.float().cpu() if self.need_features else None
         done = []
@@ -471,17 +489,25 @@ class SpecEngine:
         cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
         return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs]).cpu()
 
-    def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor):
+    def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor,
+                      chunks: list[tuple[_Request, int]] = ()):
         """The target over ``[anchor, d_1..d_l]`` for every row, then the verify rule
-        -> (result, the target's forward output, L the longest verify)."""
+        -> (result, the target's forward output, L the longest verify, the output over
+        ``chunks``). Prompt chunks given here run in the same pass (``_fused``)."""
         L = int(lens.max()) if len(reqs) else 0
         drafts = batch.tokens.cpu()
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
-        out = self.runner.forward([r.slot for r in reqs], toks, need_features=self.need_features)
+        slots = [r.slot for r in reqs]
+        if chunks:
+            out, prefill_out = self.runner.forward_mixed(slots + [r.slot for r, _ in chunks],
+                                                         toks + self._chunk_tokens(chunks), len(reqs),
+                                                         need_features=self.need_features)
+        else:
+            out, prefill_out = self.runner.forward(slots, toks, need_features=self.need_features), None
         target_logits = out.logits[:, : L + 1].float()
         if target_logits.shape[1] < L + 1:
             target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        return self._verify(reqs, batch, target_logits, lens, temps), out, L
+        return self._verify(reqs, batch, target_logits, lens, temps), out, L, prefill_out
 
     def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out, L: int) -> None:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
@@ -640,7 +666,7 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
                 device: str = "cpu", max_batch: int = 64, max_context: int = 2048,
                 prefill_chunk: int = EngineConfig.prefill_chunk, prefill_tokens: int = EngineConfig.prefill_tokens,
                 sampling_rule: str = EngineConfig.sampling_rule, proposers: str | None = None,
-                suffix: dict | None = None):
+                suffix: dict | None = None, dtype: str = "float32"):
     """Build an engine from an engine directory (``dspark build`` output) or the embedded target.
 
     ``engine_dir`` holds ``engine.json`` naming the target profile, the drafter checkpoint
@@ -648,7 +674,15 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
     ``suffix`` settings, ``SuffixConfig`` fields); the ``proposers`` / ``suffix`` arguments
     override them. Without an engine directory only proposers that need no drafter
     (``suffix``) or ``mode="target_only"`` are possible.
+
+    ``dtype``: the target's weights and KV cache, ``float32`` (the reference for lossless) or
+    ``bfloat16`` (``TARGET_DTYPES``; on a CPU with AVX512-BF16 / AMX its matrix products run
+    in bf16 with fp32 accumulation). The drafter stays float32; verification compares drafts
+    with the bf16 target's own distribution, so a bf16 engine is lossless against bf16
+    target-only decoding, not against the float32 target.
     """
+    if dtype not in TARGET_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TARGET_DTYPES)}, got {dtype!r}")
 
     from dspark.training.checkpoint import load_checkpoint
     from dspark.training.config import TargetProfile, load_target_profile
@@ -667,7 +701,7 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         from .export.manifest import read_engine_json
         meta = read_engine_json(root)  # a clear one-line error for a file that is not JSON
         profile = TargetProfile(**meta["target_profile"])
-    target = load_target(profile, device=device)
+    target = load_target(profile, device=device, dtype=getattr(torch, dtype))
     if engine_dir is not None and meta.get("format") == "dspark-engine":  # built by `dspark build`
         from .export.manifest import validate_engine_dir
         validate_engine_dir(engine_dir, target, files="runtime")
@@ -694,6 +728,7 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
 
 
 SAMPLING_RULES = ("coupled", "rejection", "auto")
+TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
 
 
 def _is_coupled(rule: str, seeded: bool) -> bool:

@@ -117,6 +117,20 @@ class TargetRunner:
         otherwise the rows are gathered. ``last_logits_only`` (prefill) applies the LM head to
         each row's last new token only: ``logits`` is then [R, 1, V].
         """
+        if last_logits_only:
+            return self.forward_mixed(slots, tokens, 0, need_features)[1]
+        return self.forward_mixed(slots, tokens, len(tokens), need_features)[0]
+
+    @torch.no_grad()
+    def forward_mixed(self, slots: list[int], tokens: list[list[int]], full_rows: int,
+                      need_features: bool = True) -> tuple[RaggedOutput | None, RaggedOutput | None]:
+        """One pass over every row, the first ``full_rows`` with logits at each new token (verify
+        rows), the others at their last new token only (prefill chunks): -> (output of the
+        first rows as ``forward``, output of the others as ``forward(last_logits_only=True)``),
+        None for an empty group. A step that verifies some requests and prefills others reads
+        the weights once instead of twice, and the LM head sees only the tokens whose logits
+        are used.
+        """
         R = len(tokens)
         slot_t = torch.tensor(slots, dtype=torch.long)
         q_lens = torch.tensor([len(t) for t in tokens])
@@ -134,12 +148,22 @@ class TargetRunner:
         wpos = pos[q_valid]
         grid = _Grid(R, Q, None if bool(q_valid.all()) else q_valid.to(self.device))
         last, aux = self._stack(ids, wpos.to(self.device), mask, rows, wpos, grid, total, need_features, gather)
-        if last_logits_only:
-            ends = torch.cumsum(q_lens, 0) - 1  # each row's last token in the packed order
-            logits = self.target.logits_from_last(last[ends.to(self.device)]).unsqueeze(1)
-        else:
-            logits = grid.unpack(self.target.logits_from_last(last))
-        return RaggedOutput(logits=logits, aux=grid.unpack(aux), last=grid.unpack(last))
+        if full_rows == R:
+            return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
+                                last=grid.unpack(last)), None
+        # packed order is row-major: the full rows' tokens come first
+        n_full = int(q_lens[:full_rows].sum())
+        ends = (torch.cumsum(q_lens[full_rows:], 0) - 1 + n_full).to(self.device)  # the other rows' last tokens
+        heads = torch.cat([torch.arange(n_full, device=self.device), ends])
+        logits = self.target.logits_from_last(last[heads])
+        rest = _Grid(R - full_rows, int(q_lens[full_rows:].max()), None).sub(q_lens[full_rows:], self.device)
+        tail = RaggedOutput(logits=logits[n_full:].unsqueeze(1), aux=rest.unpack(aux[n_full:]),
+                            last=rest.unpack(last[n_full:]))
+        if full_rows == 0:
+            return None, tail
+        head = _Grid(full_rows, int(q_lens[:full_rows].max()), None).sub(q_lens[:full_rows], self.device)
+        return RaggedOutput(logits=head.unpack(logits[:n_full]), aux=head.unpack(aux[:n_full]),
+                            last=head.unpack(last[:n_full])), tail
 
     def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None, apos=None):
         """Embedding -> decoder layers (writing the cache) -> final norm, on packed tokens
@@ -234,6 +258,11 @@ class _Grid:
         out = x.new_zeros(self.rows, self.width, *x.shape[1:])
         out[self.valid] = x
         return out
+
+    def sub(self, q_lens: torch.Tensor, device: torch.device) -> "_Grid":
+        """This grid's shape for rows of ``q_lens`` tokens each (valid None when all are full)."""
+        valid = torch.arange(self.width).unsqueeze(0) < q_lens.unsqueeze(1)
+        return _Grid(self.rows, self.width, None if bool(valid.all()) else valid.to(device))
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         if self.valid is None:

@@ -66,6 +66,22 @@ def test_greedy_speculative_output_is_identical_to_target_only_in_flight(algo):
             assert spec[rid] == _hf_greedy(target, prompt, params.max_tokens), f"{rid} differs from HF generate"
 
 
+@pytest.mark.parametrize("mode", ["spec", "target_only"])
+def test_prompt_chunks_in_the_verify_pass_change_no_output(mode):
+    """With fused_prefill the prompt chunks of arriving requests ride in the running requests'
+    verify pass; every output, greedy or seeded-sampled, is the one of separate passes."""
+    target = make_tiny_target()
+    torch.manual_seed(3)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target) if mode == "spec" else None
+    outs = []
+    for fused in (True, False):
+        engine = SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8,
+                                                          fused_prefill=fused))
+        assert engine._fused == fused
+        outs.append(_run_in_flight(engine, _jobs(1)))
+    assert outs[0] == outs[1]
+
+
 def test_greedy_identity_holds_when_the_drafter_is_the_target_itself_accepting_everything():
     """A drafter whose proposals are always right: every block fully accepted, output unchanged."""
     target = make_tiny_target()
@@ -131,13 +147,13 @@ def test_a_prefill_token_budget_spreads_a_burst_over_steps_without_changing_outp
     firsts: dict[str, int] = {}
     emitted_at: list[int] = []
     step = [0]
-    prefill = engine._prefill
+    chunks_of = engine._prefill_chunks
 
-    def counting_prefill(reqs):
-        chunks = engine._prefill_chunks(reqs)
+    def counting_chunks(reqs):
+        chunks = chunks_of(reqs)
         assert sum(n for _, n in chunks) <= 16 and len(chunks) >= 1
-        prefill(reqs)
-    engine._prefill = counting_prefill
+        return chunks
+    engine._prefill_chunks = counting_chunks
     real_step = engine.step
 
     def stepping():

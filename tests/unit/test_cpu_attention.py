@@ -62,3 +62,33 @@ def test_attention_mode_is_checked():
     target = make_tiny_target()
     with pytest.raises(ValueError, match="attention must be one of"):
         TargetRunner(target, max_slots=2, attention="flash")
+
+
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_mixed_forward_is_a_verify_pass_and_a_prefill_pass_in_one(attention):
+    """forward_mixed: the first rows get every token's logits, the others their last token's,
+    and each group's logits, features and cache writes are those of its own separate forward."""
+    target = make_tiny_target("qwen3")
+    g = torch.Generator().manual_seed(3)
+    old = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (7, 12)]
+    verify = [[20, 21, 22], [23]]
+    prompt = torch.randint(6, 64, (10,), generator=g).tolist()
+    runs = []
+    for mixed in (True, False):
+        r = TargetRunner(target, max_slots=3, max_context=64, attention=attention)
+        r.forward([0, 1], old, last_logits_only=True)
+        for s, p in enumerate(old):
+            r.set_length(s, len(p))
+        if mixed:
+            head, tail = r.forward_mixed([0, 1, 2], verify + [prompt], 2)
+        else:
+            head, tail = r.forward([0, 1], verify), r.forward([2], [prompt], last_logits_only=True)
+        runs.append((head, tail, r.k.clone()))
+    (hm, tm, km), (hs, ts, ks) = runs
+    assert tm.logits.shape == ts.logits.shape == (1, 1, target.vocab_size)
+    torch.testing.assert_close(tm.logits, ts.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tm.aux, ts.aux, rtol=1e-5, atol=1e-5)
+    for i, t in enumerate(verify):
+        torch.testing.assert_close(hm.logits[i, :len(t)], hs.logits[i, :len(t)], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hm.aux[i, :len(t)], hs.aux[i, :len(t)], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(km, ks, rtol=1e-5, atol=1e-5)
