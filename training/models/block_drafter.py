@@ -89,10 +89,12 @@ class BlockDrafter(TargetTiedDrafter):
         another block. Written with broadcasts only, so it exports to ONNX as it runs."""
         K = self.cfg.block_size
         offs = torch.arange(K, device=anchor.device)
-        tokens = torch.where(offs == 0, anchor.unsqueeze(-1), torch.full_like(anchor.unsqueeze(-1), self.cfg.mask_token_id))
+        a = anchor.unsqueeze(-1)
+        tokens = torch.where(offs == 0, a, torch.full_like(a, self.cfg.mask_token_id))  # [N, nb, K]
         positions = anchor_pos.unsqueeze(-1) + offs  # [N, nb, K]
         ctx = visible.unsqueeze(2).expand(-1, -1, K, -1).flatten(1, 2)  # [N, Q, T]
-        blk = torch.arange(anchor.shape[1], device=anchor.device).view(-1, 1).expand(-1, K).reshape(-1)  # [Q]: block of each query
+        # [Q]: the block of each query
+        blk = torch.arange(anchor.shape[1], device=anchor.device).view(-1, 1).expand(-1, K).reshape(-1)
         own = (blk.unsqueeze(-1) == blk.unsqueeze(0)).expand(ctx.shape[0], -1, -1)  # [N, Q, Q]
         return BlockInputs(tokens.flatten(1, 2), positions.flatten(1, 2), torch.cat([ctx, own], dim=-1))
 
