@@ -25,13 +25,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dspark.training.checkpoint import drafter_for_state
-from dspark.training.draft_vocab import DraftVocabError
 from dspark.training.jsonfile import read_json_file
 from dspark.training.models import DrafterConfig
 
 from .hf_export import FROZEN, VOCAB_MAPS, rename_tensor
-from .layout import draft_ids_from_d2t
+from .layout import draft_ids_from_d2t, load_imported
 
 __all__ = ["DeepSpecImportError", "from_deepspec_state", "config_from_deepspec", "import_deepspec"]
 
@@ -144,17 +142,5 @@ def import_deepspec(path: str | Path, target):
                 raise DeepSpecImportError(f"{path}: markov_w1 has {ours['markov.w1.weight'].shape[0]} rows, expected "
                                           f"the target vocabulary ({cfg.vocab_size})")
             ours["markov.w1.weight"] = _markov_w1_to_kit(ours["markov.w1.weight"], ids, str(path))
-    model = drafter_for_state(cfg, target, ours, str(path), DeepSpecImportError)
-    expected = model.state_dict()
-    info = {"source_dtype": str(next(iter(ours.values())).dtype).replace("torch.", "")}
-    try:
-        model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
-    except DraftVocabError as exc:
-        raise DeepSpecImportError(f"{path}: d2t does not give a usable draft vocabulary ({exc})") from None
-    for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.draft_head.weight)):
-        if name in frozen:
-            if tuple(frozen[name].shape) != tuple(mine.shape):
-                raise DeepSpecImportError(f"{path}: {name} has shape {tuple(frozen[name].shape)}, the target's is "
-                                          f"{tuple(mine.shape)}: checkpoint for another target")
-            info[f"{name.split('.')[0]}_max_abs_diff_vs_target"] = float((frozen[name].float() - mine.detach().float()).abs().max())
-    return model.eval(), cfg, info
+    model, info = load_imported(cfg, target, ours, frozen, str(path), DeepSpecImportError)
+    return model, cfg, {"source_dtype": str(next(iter(ours.values())).dtype).replace("torch.", ""), **info}

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from dspark.training.algorithms import algorithm
 
-from .layout import DTYPES, ExportError, d2t_t2d, draft_ids_from_d2t, target_config, write_checkpoint_dir
+from .layout import ExportError, d2t_t2d, draft_ids_from_d2t, export_checkpoint, load_imported, target_config
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3ImportError", "check_eagle3_exportable", "to_eagle3_state",
            "eagle3_config", "export_eagle3", "import_eagle3"]
@@ -116,14 +116,7 @@ def eagle3_config(drafter, target, dtype: str = "float32") -> dict:
 
 def export_eagle3(drafter, target, out_dir: str | Path, dtype: str = "float32") -> dict:
     """Write ``config.json`` + ``model.safetensors`` in the EAGLE-3 layout, atomically."""
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    state = to_eagle3_state(drafter, DTYPES[dtype])
-    conf = eagle3_config(drafter, target, dtype)
-    write_checkpoint_dir(out_dir, state, conf)
-    return {"layout": "eagle3", "architectures": conf["architectures"], "dtype": dtype,
-            "draft_vocab_size": conf["draft_vocab_size"], "tensors": len(state),
-            "files": ["config.json", "model.safetensors"]}
+    return export_checkpoint(drafter, target, out_dir, dtype, "eagle3", to_eagle3_state, eagle3_config)
 
 
 def import_eagle3(path: str | Path, target, block_size: int | None = None):
@@ -132,7 +125,6 @@ def import_eagle3(path: str | Path, target, block_size: int | None = None):
     The draft length is not part of the layout: it comes from ``block_size`` or the kit's own
     ``dspark_kit`` record (an export of ours); the mask token and Markov rank, unused by an
     eagle3 drafter, from the record or the target profile."""
-    from dspark.training.checkpoint import drafter_for_state
     from dspark.training.jsonfile import read_json_file
     from dspark.training.models import DrafterConfig
 
@@ -183,14 +175,5 @@ def import_eagle3(path: str | Path, target, block_size: int | None = None):
         if "d2t" not in state:
             raise Eagle3ImportError(f"{path}: draft_vocab_size={n} but no d2t tensor")
         ours["draft_ids"] = draft_ids_from_d2t(state["d2t"])
-    model = drafter_for_state(cfg, target, ours, str(path), Eagle3ImportError)
-    expected = model.state_dict()
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in ours.items()})
-    info = {}
-    for name, mine in (("embed_tokens.weight", model.embed.weight), ("lm_head.weight", model.draft_head.weight)):
-        if name in state:
-            if tuple(state[name].shape) != tuple(mine.shape):
-                raise Eagle3ImportError(f"{path}: {name} has shape {tuple(state[name].shape)}, the drafter's is "
-                                        f"{tuple(mine.shape)}")
-            info[f"{name.split('.')[0]}_max_abs_diff_vs_target"] = float((state[name].float() - mine.detach().float()).abs().max())
-    return model.eval(), cfg, info
+    model, info = load_imported(cfg, target, ours, state, str(path), Eagle3ImportError)
+    return model, cfg, info

@@ -40,7 +40,7 @@ import torch
 
 from dspark.training.algorithms import algorithm
 
-from .layout import DTYPES, ExportError, d2t_t2d, target_config, write_checkpoint_dir
+from .layout import DTYPES, ExportError, d2t_t2d, export_checkpoint, target_config
 
 __all__ = ["ExportError", "NULL_MARKOV_RANK", "NAME_PAIRS", "rename_tensor", "to_deepspec_state", "deepspec_config", "export_hf",
            "check_exportable", "DTYPES", "DSPARK_ARCHITECTURE"]
@@ -150,11 +150,4 @@ def deepspec_config(drafter, target, dtype: str = "float32", num_anchors: int = 
 def export_hf(drafter, target, out_dir: str | Path, dtype: str = "float32") -> dict:
     """Write ``config.json`` + ``model.safetensors`` in the DSpark layout; return a summary.
     Everything is checked and built before the directory appears (atomically)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    state = to_deepspec_state(drafter, DTYPES[dtype])
-    conf = deepspec_config(drafter, target, dtype)
-    write_checkpoint_dir(out_dir, state, conf)
-    return {"layout": "deepspec-dspark", "architectures": conf["architectures"], "dtype": dtype,
-            "draft_vocab_size": conf["draft_vocab_size"], "tensors": len(state),
-            "files": ["config.json", "model.safetensors"]}
+    return export_checkpoint(drafter, target, out_dir, dtype, "deepspec-dspark", to_deepspec_state, deepspec_config)
