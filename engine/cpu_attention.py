@@ -1,14 +1,12 @@
 """Attention over each query's true context, straight from the slot KV cache, on the CPU.
 
-The ragged forward used to lay every step out as a [rows, longest row] grid and run
-``scaled_dot_product_attention`` over the longest row's context under a boolean mask: a
-batch with one long request paid the long context for every row, and building and
-converting the [rows, queries, context] mask cost as much again at 64 rows. Here each
-packed query token ``n`` (cache slot ``slot[n]``, absolute position ``pos[n]``) attends
+Each packed query token ``n`` (cache slot ``slot[n]``, absolute position ``pos[n]``) attends
 exactly the keys ``0..pos[n]`` of its own slot (causal inside a verify block falls out of
 the positions), in one C++ loop parallel over (token, KV head) on torch's intra-op
-threads. There is no mask tensor and no padding; what a step costs is the keys its
-tokens really read.
+threads. There is no mask tensor and no padding, so a step costs the keys its tokens
+really read: a long request in the batch does not make every other row pay its context
+(as masked attention over a [rows, longest row] grid would), and no [rows, queries,
+context] mask is built and converted on each step.
 
 The kernel is built once per machine with ``torch.utils.cpp_extension.load_inline``
 (``-O3 -march=native``; cached under torch's extensions directory, keyed by the CPU's
