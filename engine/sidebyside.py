@@ -187,9 +187,11 @@ class EngineProbe:
     """Times one ``SpecEngine``'s phases and records every verify round by request and proposer.
 
     It wraps the engine's phase methods on this instance only (``step``, ``_prefill``,
-    ``_verify_round``, ``_commit``) and the proposers' ``propose``; the wrapped calls compute
-    exactly what they did. The split of a decode step: ``neural`` (the drafter pass), ``suffix``
-    (suffix lookups), ``verify`` (the target forward and the verify rule), ``host`` (the rest)."""
+    ``_prefill_forward``, ``_verify_round``, ``_commit``) and the proposers' ``propose``; the
+    wrapped calls compute exactly what they did. The split of a decode step: ``neural`` (the
+    drafter pass), ``suffix`` (suffix lookups), ``verify`` (the target forward, with any prompt
+    chunks fused into it, and the verify rule), ``host`` (the rest); ``prefill`` is the time of
+    steps' prompt work outside the verify pass."""
 
     PHASES = ("step", "prefill", "verify", "neural", "suffix")
 
@@ -203,7 +205,9 @@ class EngineProbe:
         self.by_request: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
         self.hist: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         self._timed(engine, "step", "step")
-        self._timed(engine, "_prefill", "prefill")
+        self._timed(engine, "_prefill", "prefill")  # committing prompt chunks, first tokens
+        if hasattr(engine, "_prefill_forward"):  # the target over prompt chunks when they run alone
+            self._timed(engine, "_prefill_forward", "prefill")
         self._timed(engine, "_verify_round", "verify")
         if engine.neural is not None:
             self._timed(engine.neural, "propose", "neural")
@@ -412,7 +416,9 @@ def worker_hf(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -
                 kw.update(do_sample=True, temperature=lv.temperature, top_k=0, top_p=1.0)
             else:
                 kw.update(do_sample=False)
-            out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n,
+            # eos_token_id=[]: EOS is an ordinary token, as in our engine without stop tokens (no stop
+            # at it, and no masking of it: min_new_tokens would mask it and change the greedy tokens)
+            out = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, eos_token_id=[],
                                         pad_token_id=pad, streamer=st, **kw)
             stamps = st.steps[1:]  # the first put() is the prompt
             for j, r in enumerate(rids):
@@ -470,10 +476,10 @@ def worker_vllm(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
             seen: dict[str, int] = {}
 
             def params(i: int):
+                # ignore_eos: EOS neither stops nor is masked (min_tokens would mask it), as in our engine
                 if lv.temperature == 0:
-                    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-                return SamplingParams(temperature=lv.temperature, seed=SEED_BASE + i, max_tokens=n, min_tokens=n,
-                                      ignore_eos=True)
+                    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                return SamplingParams(temperature=lv.temperature, seed=SEED_BASE + i, max_tokens=n, ignore_eos=True)
 
             def step():
                 done = []
@@ -642,13 +648,11 @@ def _report(raw: dict[str, list[dict]], args, systems: list[str], notes: list[st
     from .host import cpu_model
 
     results, task_results = summarise(raw)
-    for row in results:  # vLLM's own speculation statistics, where it reports them
+    for row in results:  # vLLM's own speculation counters over the run, where it reports them (unchecked)
         if row["system"] == "vllm_ngram":
             lv = next((lv for lv in raw["vllm_ngram"][0]["levels"] if lv["batch"] == row["batch"]
                        and lv["temperature"] == row["temperature"]), {})
-            vs = lv.get("vllm_spec")
-            if vs and vs["drafts"]:
-                row["accept_len"] = 1.0 + vs["accepted"] / vs["drafts"]
+            row["vllm_spec_counters"] = lv.get("vllm_spec")
     ours = raw.get("ours_target_only") or next((r for s, r in raw.items() if s.startswith("ours")), None)
     threads = ours[0]["info"]["threads"] if ours else args.threads
     return {"title": args.title, "host": cpu_model(), "threads": threads, "command": command,

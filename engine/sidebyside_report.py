@@ -277,7 +277,8 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
     if steps:
         lines += ["", "## Where a decode step's time goes (our engine, median round)", "",
                   "ms per decode step: `neural` the drafter pass, `suffix` the suffix lookups (host), `verify` the target "
-                  "forward and the verify rule, `host` the rest (scheduling, commit, emit); `neural on` the share of "
+                  "forward (with any prompt chunks fused into it) and the verify rule, `host` the rest (scheduling, "
+                  "commit, emit); `neural on` the share of "
                   "decode steps that ran the neural pass, `rows` the mean rows per neural pass, `suffix on` the share "
                   "that ran the suffix lookups (the rest the gates skipped); `prefill` is prefill time per decode step.", "",
                   "| system | batch | T | decode steps | ms/step | neural | suffix | verify | host | prefill | "
