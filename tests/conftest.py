@@ -60,6 +60,21 @@ def run_to_completion(engine, jobs) -> dict[str, list[int]]:
     return outs
 
 
+def run_with_arrivals(engine, jobs) -> dict[str, list[int]]:
+    """Submit ``jobs`` [(arrival step, request id, prompt ids, SamplingParams)] each at its step
+    (ties in list order) while the engine steps, until all are done; -> request id -> emitted ids."""
+    outs: dict[str, list[int]] = {}
+    pending = sorted(jobs, key=lambda j: j[0])
+    step = 0
+    while pending or engine.has_work():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
+        engine.step()
+        step += 1
+    return outs
+
+
 def tiny_run_config(algo: str = "dspark") -> RunConfig:
     cfg = load_run_config(None, [f"algo={algo}"])
     cfg.target = TargetProfile(name="tiny", family="llama", source=None, layer_ids=[0, 1, 2], mask_token_id=5,
@@ -78,3 +93,25 @@ def smollm2():
     from dspark.training.target import load_target
 
     return load_target(load_run_config("quickstart").target)
+
+
+def tiny_drafter(target: Target, algo: str = "dspark", draft_ids: torch.Tensor | None = None, seed: int = 3,
+                 head_std: float = 0.5):
+    """A fresh ``algo`` drafter for the tiny ``target`` (built after ``torch.manual_seed(seed)``), in
+    eval mode, with the draft vocabulary ``draft_ids`` when given, and its Markov / confidence
+    heads drawn from N(0, head_std) (they start at zero, which would hide what they do)."""
+    from dspark.training.models import build_drafter, drafter_config_for
+
+    cfg = tiny_run_config(algo)
+    if draft_ids is not None:
+        cfg.target.draft_vocab = int(draft_ids.numel())
+    torch.manual_seed(seed)
+    d = build_drafter(drafter_config_for(cfg, target), target).eval()
+    if draft_ids is not None:
+        d.set_draft_vocab(draft_ids)
+    with torch.no_grad():
+        if getattr(d, "markov", None) is not None:
+            d.markov.w2.weight.normal_(0, head_std)
+        if getattr(d, "confidence", None) is not None:
+            d.confidence.proj.weight.normal_(0, head_std)
+    return d

@@ -21,9 +21,8 @@ from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.engine.sps import SpsTable
 from dspark.plugins import coupled
 from dspark.plugins.reference import process_logits, verify
-from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, tiny_run_config
+from ..conftest import make_tiny_target, run_with_arrivals, tiny_drafter
 
 # ---------------------------------------------------------------------------------------
 # The noise and the sampler
@@ -169,20 +168,7 @@ SEEDED = [SamplingParams(max_tokens=16, temperature=TEMPERATURE, seed=1234),
 
 
 def _drafter(target, algo: str, draft_vocab: bool = False):
-    cfg = tiny_run_config(algo)
-    ids = torch.arange(0, target.vocab_size, 2) if draft_vocab else None
-    if ids is not None:
-        cfg.target.draft_vocab = int(ids.numel())
-    torch.manual_seed(3)
-    d = build_drafter(drafter_config_for(cfg, target), target).eval()
-    if ids is not None:
-        d.set_draft_vocab(ids)
-    with torch.no_grad():  # the heads start at zero: make them count
-        if getattr(d, "markov", None) is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if getattr(d, "confidence", None) is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
-    return d
+    return tiny_drafter(target, algo, torch.arange(0, target.vocab_size, 2) if draft_vocab else None)
 
 
 def _gate_table() -> SpsTable:
@@ -276,15 +262,7 @@ def _in_batch(engine, copies: list[SamplingParams]) -> dict[str, list[int]]:
         jobs.append((int(torch.randint(0, 6, (1,), generator=g)), f"other{i}",
                      torch.randint(6, 64, (plen,), generator=g).tolist(), params))
     jobs += [(3 * c, f"copy{c}", PROMPT, p) for c, p in enumerate(copies)]
-    outs: dict[str, list[int]] = {}
-    pending = sorted(jobs, key=lambda j: j[0])
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
-        engine.step()
-        step += 1
+    outs = run_with_arrivals(engine, jobs)
     return {rid: outs[rid] for _, rid, _, _ in jobs if rid.startswith("copy")}
 
 

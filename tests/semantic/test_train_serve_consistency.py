@@ -14,25 +14,8 @@ import torch
 from dspark.engine.api import SamplingParams
 from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.training.draft_vocab import scatter_to_vocab
-from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
-
-
-def _drafter(target, algo: str, draft_ids: torch.Tensor | None):
-    cfg = tiny_run_config(algo)
-    if draft_ids is not None:
-        cfg.target.draft_vocab = int(draft_ids.numel())
-    torch.manual_seed(3)
-    d = build_drafter(drafter_config_for(cfg, target), target).eval()
-    if draft_ids is not None:
-        d.set_draft_vocab(draft_ids)
-    with torch.no_grad():  # the heads start at zero: make them count
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
-    return d
+from ..conftest import make_tiny_target, run_to_completion, tiny_drafter
 
 
 def _jobs() -> list[tuple[str, list[int], SamplingParams]]:
@@ -63,7 +46,7 @@ def _served_proposals(algo: str, draft_vocab: bool):
     -> (target, drafter, draft ids or None, recorded proposals)."""
     target = make_tiny_target()
     ids = torch.arange(0, target.vocab_size, 3) if draft_vocab else None  # includes the prompts' ids
-    drafter = _drafter(target, algo, ids)
+    drafter = tiny_drafter(target, algo, ids)
     engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=8))
     seen = _record_proposals(engine)
     run_to_completion(engine, _jobs())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 from dspark.engine.api import SamplingParams
 from dspark.engine.export import builder
@@ -12,25 +11,16 @@ from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dspark.training.draft_vocab import DraftVocabError, choose_draft_vocab, scatter_to_vocab
 from dspark.training.loss import block_loss
-from dspark.training.models import build_drafter, drafter_config_for
+from dspark.training.models import build_drafter
 
-from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
+from ..conftest import make_tiny_target, run_to_completion, tiny_drafter
+from ..distribution import pooled_chisquare_pvalue
 
 DRAFT_IDS = torch.tensor([2, 3, 7, 9, 11, 13, 17, 20, 23, 29, 31, 37, 40, 41, 47, 53])
 
 
 def _drafter(target, algo="dspark", ids=DRAFT_IDS, seed=3):
-    cfg = tiny_run_config(algo)
-    cfg.target.draft_vocab = int(ids.numel())
-    torch.manual_seed(seed)
-    d = build_drafter(drafter_config_for(cfg, target), target).eval()
-    d.set_draft_vocab(ids)
-    with torch.no_grad():  # non-trivial heads (they start at zero)
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
-    return d
+    return tiny_drafter(target, algo, ids, seed)
 
 
 def test_choice_takes_answer_tokens_by_frequency_then_prompt_tokens_then_low_ids():
@@ -138,12 +128,7 @@ def test_sampled_output_with_a_draft_vocabulary_follows_the_target_distribution(
     outs = run_to_completion(engine, [(f"s{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=i))
                                       for i in range(n)])
     cells = torch.tensor([outs[f"s{i}"][1] * V + outs[f"s{i}"][2] for i in range(n)])
-    counts = torch.bincount(cells, minlength=V * V).double()
-    expected = joint * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    assert float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3
+    assert pooled_chisquare_pvalue(torch.bincount(cells, minlength=V * V), joint) > 1e-3
     assert engine.stats["accepted_tokens"] > 0 and engine.stats["accepted_tokens"] < engine.stats["draft_tokens"]
 
 

@@ -11,7 +11,7 @@ from dspark.engine.static_target import (StaticTarget, default_ctx_buckets, defa
 from dspark.engine.target_runner import TargetRunner
 from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, tiny_run_config
+from ..conftest import make_tiny_target, run_with_arrivals, tiny_run_config
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -59,19 +59,6 @@ def test_buckets_round_up_and_fall_back_past_the_largest():
         StaticTarget(TargetRunner(target, max_slots=2, max_context=16), [1], [1], use_graphs=True)
 
 
-def _run(engine, jobs):
-    outs: dict[str, list[int]] = {}
-    pending = sorted(jobs)
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.submit(rid, prompt, params, lambda o: outs.setdefault(o.request_id, []).extend(o.new_token_ids))
-        engine.step()
-        step += 1
-    return outs
-
-
 @pytest.mark.parametrize("ctx_buckets", [None, (16, 32)], ids=["whole-cache", "context-buckets"])
 @pytest.mark.parametrize("mode", ["spec", "target_only"])
 def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode, ctx_buckets):
@@ -82,14 +69,14 @@ def test_engine_on_static_steps_is_token_identical_to_the_ragged_engine(mode, ct
     jobs = [(2 * i, f"r{i}", torch.randint(6, 64, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist(),
              SamplingParams(max_tokens=int(torch.randint(6, 24, (1,), generator=g)), temperature=0.0 if i % 2 else 0.9,
                             seed=i)) for i in range(6)]
-    ragged = _run(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8)), jobs)
+    ragged = run_with_arrivals(SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8)), jobs)
     engine = SpecEngine(target, drafter, EngineConfig(mode=mode, max_batch=4, prefill_chunk=8, static_steps="eager"))
     assert isinstance(engine.runner, StaticTarget)
     if ctx_buckets:  # requests grow from ~10 to ~50 positions: steps cross 16 and 32
         st = engine.runner
         engine.runner = StaticTarget(st.runner, st.row_buckets, st.query_buckets, use_graphs=False,
                                      ctx_buckets=ctx_buckets, prefill_buckets=st.prefill_buckets)
-    static = _run(engine, jobs)
+    static = run_with_arrivals(engine, jobs)
     assert engine.runner.replays > 0, "decode steps must have gone through the buckets"
     assert engine.runner.prefill_replays > 0, "prefill chunks must have gone through the one-row buckets"
     for _, rid, _, params in jobs:
