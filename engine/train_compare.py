@@ -27,12 +27,14 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] | No
     from dspark.training.data import prepare_data
     from dspark.training.models import draft_layers_for
     from dspark.training.target import load_target
-    from dspark.training.trainer import seconds_per_step, train
+    from dspark.training.trainer import resolve_device, seconds_per_step, train
 
     from .evaluate import evaluate, print_table
 
     algos = REGISTRY.names() if algos is None else algos
-    target = load_target(cfg.target)
+    # on the training device: online features come from the target there, and the evaluation runs there
+    device = resolve_device(cfg.train.device)
+    target = load_target(cfg.target, device=device)
     prepare_data(cfg, target)
     results, timings, plans, layers = [], {}, {}, {}
     for algo in algos:
@@ -53,7 +55,7 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] | No
         ckpt = train(c, target)
         # a drafter finished by an earlier call is only evaluated: its training time is not ours to report
         timings[algo] = None if done_before else time.perf_counter() - t0
-        drafter, _, _ = load_checkpoint(ckpt, target)
+        drafter = load_checkpoint(ckpt, target)[0].to(device)
         e = cfg.eval
         results += [r for r in evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task,
                                         e.max_new_tokens, e.seed, cfg.data.data_root)]

@@ -168,7 +168,8 @@ def generate_answers(target, prompts: list[str], cfg: DataConfig, out_path: Path
             ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch])
             attn = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=cfg.temperature,
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device), do_sample=True,
+                                 temperature=cfg.temperature,
                                  top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
                                  eos_token_id=stops, pad_token_id=pad)
             for b, row in zip(batch, out[:, width:].tolist()):
