@@ -65,8 +65,10 @@ def _packed(rows_new: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, tor
     return xs, rows, offs
 
 
-class BlockDraftRunner:
-    def __init__(self, drafter: BlockDrafter, max_slots: int, capacity: int = 256):
+class _CachedDraftRunner:
+    """What both runners share: the drafter, a context cache for its layers, and slot bookkeeping."""
+
+    def __init__(self, drafter: BlockDrafter | Eagle3Drafter, max_slots: int, capacity: int = 256):
         self.model = drafter.eval()
         layer0 = drafter.layers[0].s
         p = next(drafter.parameters())
@@ -74,6 +76,22 @@ class BlockDraftRunner:
                                 p.device, p.dtype)
         self.block_size = drafter.cfg.block_size
 
+    def _context(self, slots: list[int], device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor,
+                                                          torch.Tensor]:
+        """The slots' cached contexts: (per layer K/V [R, Hkv, T, hd], valid [R, T] on ``device``,
+        lengths [R] on ``device``), T the longest context."""
+        T = int(self.cache.lengths[slots].max())
+        past = [self.cache.view(li, slots, T) for li in range(len(self.model.layers))]
+        return past, self.cache.valid(slots, T).to(device), self.cache.lengths[slots].to(device)
+
+    def reset(self, slot: int) -> None:
+        self.cache.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst)
+
+
+class BlockDraftRunner(_CachedDraftRunner):
     @torch.no_grad()
     def append(self, rows_new: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         """[(slot, aux [n, m*d], next_tokens [n])] for newly committed positions (tokens unused here)."""
@@ -94,28 +112,15 @@ class BlockDraftRunner:
     @torch.no_grad()
     def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, noise=None) -> Proposal:
         """One block per slot; the anchor sits right after the slot's context."""
-        T = int(self.cache.lengths[slots].max())
-        ctx_kv = [self.cache.view(li, slots, T) for li in range(len(self.model.layers))]
-        dev = anchors.device
-        return self.model.propose(anchors, self.cache.lengths[slots].to(dev), ctx_kv,
-                                  self.cache.valid(slots, T).to(dev), temperature, noise)
-
-    def reset(self, slot: int) -> None:
-        self.cache.lengths[slot] = 0
-
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst)
+        ctx_kv, valid, lengths = self._context(slots, anchors.device)
+        return self.model.propose(anchors, lengths, ctx_kv, valid, temperature, noise)
 
 
-class Eagle3DraftRunner:
+class Eagle3DraftRunner(_CachedDraftRunner):
     def __init__(self, drafter: Eagle3Drafter, max_slots: int, capacity: int = 256):
-        self.model = drafter.eval()
-        layer0 = drafter.layers[0].s
+        super().__init__(drafter, max_slots, capacity)
         p = next(drafter.parameters())
-        self.cache = _SlotCache(len(drafter.layers), max_slots, layer0.num_kv_heads, layer0.head_dim, capacity,
-                                p.device, p.dtype)
         self.last_hidden = torch.zeros(max_slots, drafter.cfg.hidden_size, device=p.device, dtype=p.dtype)
-        self.block_size = drafter.cfg.block_size
 
     @torch.no_grad()
     def append(self, rows_new: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
@@ -155,17 +160,11 @@ class Eagle3DraftRunner:
 
     @torch.no_grad()
     def propose(self, slots: list[int], anchors: torch.Tensor, temperature: torch.Tensor, noise=None) -> Proposal:
-        T = int(self.cache.lengths[slots].max())
-        past = [self.cache.view(li, slots, T) for li in range(len(self.model.layers))]
-        dev = anchors.device
-        return self.model.propose_from(self.last_hidden[slots], past, self.cache.valid(slots, T).to(dev),
-                                       self.cache.lengths[slots].to(dev), temperature, noise)
-
-    def reset(self, slot: int) -> None:
-        self.cache.lengths[slot] = 0
+        past, valid, lengths = self._context(slots, anchors.device)
+        return self.model.propose_from(self.last_hidden[slots], past, valid, lengths, temperature, noise)
 
     def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst)
+        super().move(src, dst)
         self.last_hidden[dst] = self.last_hidden[src]
 
 
