@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.e2e.engine_dir: the untrained drafter of the e2e tests
 
 from dspark.engine.serving import faults as F  # noqa: E402
-from dspark.engine.serving.faults import free_ports  # noqa: E402
+from dspark.engine.serving.faults import free_ports, wait_until  # noqa: E402
 from dspark.engine.serving import stubs  # noqa: E402
 from dspark.engine.serving.client import StreamClient, make_inputs  # noqa: E402
 
@@ -182,34 +182,13 @@ def bad_input_cases(suite: Suite) -> None:
                                                    p.empty_final, timeout=60), p.expect))
 
 
-ABANDON_CLIENT = """
-import sys, time
-from dspark.engine.serving.client import StreamClient, make_inputs
-c = StreamClient(sys.argv[1])
-res = c.submit(make_inputs("Write a long poem about the sea.", 400, True))
-while len(res.chunks) < 2:
-    time.sleep(0.02)
-print("streaming", flush=True)
-time.sleep(600)
-"""
-
-
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
 def _cancelled_by(srv: Server, before: float, n: int, timeout: float = 90.0) -> bool:
-    return _wait(lambda: srv.cancelled() >= before + n and srv.inflight() == 0, timeout)
+    return wait_until(lambda: srv.cancelled() >= before + n and srv.inflight() == 0, timeout)
 
 
 def abandon_killed_client(srv: Server) -> dict:
     before = srv.cancelled()
-    proc = subprocess.Popen([sys.executable, "-c", ABANDON_CLIENT, srv.url], stdout=subprocess.PIPE, text=True)
+    proc = F.start_abandoning_client(srv.url)
     try:
         started = proc.stdout.readline().strip() == "streaming"
     finally:
@@ -224,7 +203,7 @@ def abandon_closed_stream(srv: Server) -> dict:
     before = srv.cancelled()
     c = StreamClient(srv.url)
     res = c.submit(make_inputs("Tell me a long story about a dragon.", 400, True))
-    started = _wait(lambda: len(res.chunks) >= 2, 120)
+    started = wait_until(lambda: len(res.chunks) >= 2, 120)
     c.close(cancel=True)
     ok = started and _cancelled_by(srv, before, 1)
     return {"outcome": "cancelled" if ok else "kept generating", "ok": ok,
@@ -235,7 +214,7 @@ def cancel_storm(srv: Server, n: int) -> dict:
     before = srv.cancelled()
     c = StreamClient(srv.url)
     results = [c.submit(make_inputs(f"Tell me a long story about dragon number {i}.", 400, True)) for i in range(n)]
-    started = _wait(lambda: sum(1 for r in results if r.chunks) >= min(n, srv.max_batch), 120)
+    started = wait_until(lambda: sum(1 for r in results if r.chunks) >= min(n, srv.max_batch), 120)
     c.close(cancel=True)
     ok = started and _cancelled_by(srv, before, n)
     got = srv.cancelled() - before
@@ -250,7 +229,7 @@ def stop_storm(srv: Server, n: int) -> dict:
     try:
         results = [c.submit(make_inputs(f"Tell me a long story about knight {i}.", 400, True), request_id=f"storm{i}")
                    for i, c in enumerate(clients)]
-        _wait(lambda: sum(1 for r in results if r.chunks) >= min(n, srv.max_batch), 120)
+        wait_until(lambda: sum(1 for r in results if r.chunks) >= min(n, srv.max_batch), 120)
         stops = [F.send_once(srv.url, "dspark_llm", [F.flag("stop", True)], request_id=f"storm{i}")
                  for i in range(n)]
         stopped = all(s.final and s.error is None for s in stops)

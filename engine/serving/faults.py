@@ -12,6 +12,8 @@ One home for the probes that ``scripts/fault_suite.py`` runs (and writes to
 - :func:`snapshot`: the server's RSS (server + its stubs), its stubs, the orphaned stubs of
   the repository, and the shared-memory regions of its prefix, to compare before and after.
 - :func:`kill_mid_stream`: ``kill -9`` of the server while a stream runs, then what is left.
+- :func:`start_abandoning_client`: a client process that streams and is then killed mid-stream.
+- :func:`wait_until`: poll a condition until it holds or a timeout passes.
 
 Needs ``tritonclient[grpc]`` (the ``serve`` extra), imported when a probe is built.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,6 +215,37 @@ def send_once(url: str, model: str, inputs: list, parameters: dict | None = None
         client.stop_stream(cancel_requests=ans.timed_out)
         client.close()
     return ans
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``cond`` every ``interval`` seconds for up to ``timeout`` seconds; -> whether it held
+    (checked once more at the deadline)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()
+
+
+def stream_and_hang(url: str, max_tokens: int = 400) -> None:
+    """Open a long stream to the ensemble at ``url``, print ``streaming`` once two chunks have come,
+    then hang: the body of :func:`start_abandoning_client`'s process."""
+    from .client import StreamClient, make_inputs
+
+    c = StreamClient(url)
+    res = c.submit(make_inputs("Write a long poem about the sea.", max_tokens, True))
+    while len(res.chunks) < 2:
+        time.sleep(0.05)
+    print("streaming", flush=True)
+    time.sleep(600)
+
+
+def start_abandoning_client(url: str) -> subprocess.Popen:
+    """:func:`stream_and_hang` in a child process (stdout a text pipe): read its ``streaming`` line,
+    then kill it to leave the server a stream whose client is gone."""
+    code = "import sys; from dspark.engine.serving.faults import stream_and_hang; stream_and_hang(sys.argv[1])"
+    return subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE, text=True)
 
 
 # -- the server's processes and shared memory -------------------------------------------------

@@ -3,9 +3,6 @@ and the server keeps serving afterwards. The bad inputs are the fault catalogue
 (dspark.engine.serving.faults.BAD_INPUTS) that scripts/fault_suite.py also runs."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -74,21 +71,9 @@ def test_cancelling_a_direct_llm_model_stream_stops_the_engine_request(server):
     assert _wait_cancelled(server, "dspark_llm_target_only", before)
 
 
-CLIENT = textwrap.dedent("""
-    import sys, time
-    from dspark.engine.serving.client import StreamClient, make_inputs
-    c = StreamClient(sys.argv[1])
-    res = c.submit(make_inputs("Write a long poem about the sea.", 400, True))
-    while len(res.chunks) < 2:
-        time.sleep(0.05)
-    print("streaming", flush=True)
-    time.sleep(600)
-""")
-
-
 def test_client_disconnect_mid_stream_stops_the_engine_request(server):
     before = server.metric("dspark_requests_total", model="dspark_llm", reason="cancelled")
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, server.url], stdout=subprocess.PIPE, text=True)
+    proc = F.start_abandoning_client(server.url)
     try:
         assert proc.stdout.readline().strip() == "streaming"
     finally:

@@ -7,13 +7,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from dspark.engine.serving import stubs
+from dspark.engine.serving.faults import wait_until
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists() or not stubs.SHM_DIR.is_dir(),
                                 reason="needs Linux /proc and /dev/shm")
@@ -85,15 +85,6 @@ def fake(tmp_path):
         (stubs.SHM_DIR / name).unlink(missing_ok=True)
 
 
-def _wait(cond, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_stub_command_line_is_parsed_as_the_python_backend_writes_it():
     argv = ["/tmp/s/backends/python/triton_python_backend_stub", "/r/triton_repo/dspark_llm/1/model.py",
             "dspark_123_67adcd51", "1048576", "1048576", "5030", "/tmp/s/backends/python", "336",
@@ -110,7 +101,7 @@ def test_a_stub_exits_and_unlinks_its_region_when_its_server_is_killed(fake):
     assert stubs.pid_alive(stub_pid)
     server.send_signal(signal.SIGKILL)  # what kill -9 of tritonserver does: the stub is reparented
     server.wait()
-    assert _wait(lambda: not stubs.pid_alive(stub_pid)), "the stub outlived its server"
+    assert wait_until(lambda: not stubs.pid_alive(stub_pid), 10.0, interval=0.05), "the stub outlived its server"
     assert not (stubs.SHM_DIR / name).exists(), "the stub left its shared-memory region"
 
 
@@ -122,7 +113,7 @@ def test_reclaim_kills_orphans_of_the_repo_and_unlinks_only_unmapped_regions_of_
     live_server, live = fake.server("nowatch", live_region)
     orphan_server.send_signal(signal.SIGKILL)
     orphan_server.wait()
-    assert _wait(lambda: stubs._ppid(orphan) != orphan_server.pid)
+    assert wait_until(lambda: stubs._ppid(orphan) != orphan_server.pid, 10.0, interval=0.05)
     assert [p for p, _ in stubs.orphaned_stubs(fake.repo, fake.prefix)] == [orphan]
 
     done = stubs.reclaim(fake.repo, fake.prefix)
