@@ -14,22 +14,14 @@ from dspark.engine.export.hf_export import export_hf, to_deepspec_state
 from dspark.engine.export.trt_build import TensorRTUnavailable, tensorrt_version
 from dspark.plugins import contract
 from dspark.training.checkpoint import save_checkpoint
-from dspark.training.models import build_drafter, drafter_config_for
-from tests.conftest import make_tiny_target, tiny_run_config
+from tests.conftest import make_tiny_target, tiny_drafter
 
 onnx = pytest.importorskip("onnx")
 
 
 def _drafter(target, algo="dspark", seed=0):
-    torch.manual_seed(seed)
-    cfg = drafter_config_for(tiny_run_config(algo), target)
-    d = build_drafter(cfg, target).eval()
-    with torch.no_grad():  # non-trivial heads (they start at zero)
-        if d.markov is not None:
-            d.markov.w2.weight.normal_(0, 0.5)
-        if d.confidence is not None:
-            d.confidence.proj.weight.normal_(0, 0.5)
-    return d, cfg
+    d = tiny_drafter(target, algo, seed=seed)
+    return d, d.cfg
 
 
 @pytest.fixture(scope="module")
