@@ -183,6 +183,13 @@ def run(args) -> int:
                         budget=MAX_TOTAL_BYTES - sum(p.stat().st_size for p in results) - 2 * MIB,
                         part_bytes=int(args.part_mib * MIB), force_bf16=args.bf16)
     (out / "gpu_train.json").write_text(json.dumps(info, indent=2) + "\n")
+    md = out / f"{RESULT_STEM}.md"
+    if md.is_file():  # where it ran and what came back, beside the table
+        rounded = info["pack"].get("rounded_to_bf16")
+        md.write_text(md.read_text() + f"\nDevice: {info['device']}. Training time per drafter, planned: "
+                      f"{args.budget:g} s. The rows above were measured there with the fp32 weights; the "
+                      f"checkpoints came back {'rounded to bf16' if rounded else 'in fp32'} "
+                      f"(gpu_train.json, scripts/gpu_train.py unpack).\n")
     print(json.dumps(info["pack"], indent=2), flush=True)
     return status if info["pack"]["parts"] else 1
 

@@ -7,9 +7,9 @@
 #
 # On the lent H200, two `run` calls back to back (docs/gpu.md, "Training the drafters on the H200"):
 #   bash scripts/gpu_train.sh stage          # call 1 (carry .gpu_train/a): the first half of the target to /tmp
-#   bash scripts/gpu_train.sh [ARGS]         # call 2 (carry .gpu_train/b): assemble the target, train, pack
+#   bash scripts/gpu_train.sh carried [ARGS] # call 2 (carry .gpu_train/b): assemble the target, train, pack
 # ARGS go to `scripts/gpu_train.py run` (--budget S per drafter, --device, --eval-samples, overrides...).
-# With no .gpu_train/b here the target is the installed embedded one: on the CPU,
+# Without `carried` the target is the installed embedded one (or target.source=...): on the CPU,
 #   bash scripts/gpu_train.sh --device cpu --budget 5 --out /tmp/gt   # the same code path, tiny
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,9 @@ OUT_DIR=${OUT:-$ROOT/runs/gpu_train_out}
 mkdir -p "$OUT_DIR"
 exec > >(tee -a "$OUT_DIR/gpu_train.log") 2>&1
 extra=()
-if [ -f "$CARRY/b/carry.json" ]; then
+if [ "${1:-}" = "carried" ]; then
+  shift
+  [ -f "$CARRY/b/carry.json" ] || { log "no $CARRY/b/carry.json carried (scripts/gpu_train.py prepare makes it)"; exit 2; }
   log "assembling the target from the two halves"
   read -r name sum wheel < <("$PY" -c "import json;m=json.load(open('$CARRY/b/carry.json'));print(m['target_gguf'],m['target_sha256'],m['gguf_wheel'])")
   [ -f "$STAGE/target.gguf.part_a" ] || { log "$STAGE/target.gguf.part_a is missing: run 'bash scripts/gpu_train.sh stage' (call 1) first, on the same machine"; exit 2; }
