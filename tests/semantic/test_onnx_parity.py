@@ -6,7 +6,7 @@ import torch
 
 from dspark.engine.export.onnx_export import DraftStep, export_onnx, ort_session, parity_case
 from dspark.training.models import build_drafter, drafter_config_for
-from tests.conftest import make_tiny_target, tiny_run_config
+from tests.conftest import make_tiny_target, tiny_drafter
 
 pytest.importorskip("onnxruntime_extensions")
 
@@ -14,11 +14,7 @@ pytest.importorskip("onnxruntime_extensions")
 def _exported_drafter(model_type: str, seed: int, path, sampled: bool = False):
     """A tiny drafter with non-zero heads, exported to ``path``; -> (target, drafter, ORT session, SPS table)."""
     target = make_tiny_target(model_type)
-    torch.manual_seed(seed)
-    d = build_drafter(drafter_config_for(tiny_run_config(), target), target).eval()
-    with torch.no_grad():
-        d.markov.w2.weight.normal_(0, 0.5)
-        d.confidence.proj.weight.normal_(0, 0.5)
+    d = tiny_drafter(target, seed=seed)
     K = d.cfg.block_size
     table = [0.0] + [100.0 / (1 + 0.2 * b) for b in range(1, 16 * (K + 1) + 1)]
     export_onnx(d, path, sps_table=table, sampled=sampled)
