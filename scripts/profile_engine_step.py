@@ -29,7 +29,9 @@ from dspark.training.target import load_target
 def profile_step(target, prompts, rows: int, attention: str, steps: int, top: int) -> tuple[float, str]:
     eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=rows, attention=attention))
     for i in range(rows):
-        eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=10_000 // max(rows, 1)), lambda o: None)
+        prompt = prompts[i % len(prompts)]
+        room = eng.max_context - len(prompt) - eng.K - 1  # the most the engine accepts: no request ends while profiled
+        eng.submit(f"r{i}", prompt, SamplingParams(max_tokens=room), lambda o: None)
     while eng._queue or any(r.anchor is None for r in eng._active):
         eng.step()
     for _ in range(3):
