@@ -427,7 +427,9 @@ class SpecEngine:
         if suffix is not None:
             bar = self._neural_estimate()
             expected = suffix.expected_accepts().tolist()
-            rows = [i for i in rows if expected[i] < bar]
+            # an empty suffix proposal leaves nothing to the suffix: such a row stays a candidate even
+            # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
+            rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
         return gated_rows(self.gate, rows, [r.last_drafted for r in reqs])
 
     def _neural_estimate(self) -> float:

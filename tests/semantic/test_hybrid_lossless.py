@@ -148,3 +148,25 @@ def test_proposer_names_are_checked():
             parse_proposers(bad)
     with pytest.raises(ValueError, match="drafter checkpoint"):
         SpecEngine(make_tiny_target(), None, EngineConfig(proposers="neural+suffix"))
+
+
+def test_hybrid_keeps_probing_a_drafter_whose_first_probe_accepted_nothing():
+    """A row with an empty suffix proposal stays a candidate for the neural pass even when the
+    drafter's estimate is 0, so an unlucky first probe does not switch the drafter off for good."""
+    target = make_tiny_target()
+    jobs = [("r", list(range(7, 30)), SamplingParams(max_tokens=80))]
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=2)), jobs)
+    rare = SuffixConfig(max_drafts=3, min_match=15)  # suffix proposals rare: most rows have none
+    engine = SpecEngine(target, _drafter(target), EngineConfig(proposers="neural+suffix", scheduler="algorithm1",
+                                                               max_batch=2, suffix=rare), sps=_table())
+    calls: list[int] = []
+    inner = engine.draft_runner.propose
+
+    def spy(slots, *a, **k):
+        calls.append(len(slots))
+        return inner(slots, *a, **k)
+    engine.draft_runner.propose = spy
+    engine.gate.observe(8, 8, 0)  # a history in which the drafter accepted nothing: its estimate is 0
+    assert engine.gate.accepted == 0.0
+    assert run_to_completion(engine, jobs) == base
+    assert len(calls) >= 2, f"the neural pass ran {len(calls)} time(s) in {engine.stats.decode_steps} steps"
