@@ -614,7 +614,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     few = {ALIASES.get(x, x) for x in args.few_rounds.split(",") if x}
     raw: dict[str, list[dict]] = {s: [] for s in systems}
     tmp = out_dir / f".{args.name}.worker"
-    command = command or " ".join([Path(sys.executable).name, *sys.argv])
+    command = command or " ".join(["python -m dspark.engine.sidebyside", *(argv if argv is not None else sys.argv[1:])])
     report = None
     for rnd in range(args.rounds):
         k = rnd % len(systems)
