@@ -174,9 +174,14 @@ class TargetRunner:
         dec = self.target.decoder
         h = dec.embed_tokens(ids)
         cos, sin = (t[0] for t in dec.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0)))
+        # where each token's K/V rows go in a layer's cache seen as [slots * kv heads * capacity, head_dim]:
+        # one index_copy_ per layer instead of a two-index scatter
+        heads = torch.arange(self.n_kv, device=self.device)
+        dest = ((rows.to(self.device).unsqueeze(1) * self.n_kv + heads) * self.capacity
+                + wpos.to(self.device).unsqueeze(1)).reshape(-1)
         captured = {}
         for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather, apos)
+            h = self._layer(li, layer, h, cos, sin, mask, rows, dest, grid, total, gather, apos)
             if need_features and li in self.layer_ids:
                 captured[li] = h
         last = dec.norm(h)
@@ -211,7 +216,7 @@ class TargetRunner:
         return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
                             last=grid.unpack(last))
 
-    def _layer(self, li, layer, h, cos, sin, mask, rows, wpos, grid, total, gather=None, apos=None):
+    def _layer(self, li, layer, h, cos, sin, mask, rows, dest, grid, total, gather=None, apos=None):
         """One decoder layer on packed tokens ``h [N, d]``; attention packed (``mask`` None)
         or on the [R, Q] grid."""
         attn = layer.self_attn
@@ -225,8 +230,8 @@ class TargetRunner:
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)  # [N, heads, hd]
         # write the new entries into the cache rows
         kc, vc = self.k[li], self.v[li]
-        kc[rows, :, wpos] = k
-        vc[rows, :, wpos] = v
+        kc.view(-1, self.head_dim).index_copy_(0, dest, k.reshape(-1, self.head_dim))
+        vc.view(-1, self.head_dim).index_copy_(0, dest, v.reshape(-1, self.head_dim))
         if mask is None:
             o = cpu_attention.varlen_attention(q, kc, vc, rows, apos, attn.scaling, total).reshape(N, -1)
         else:
