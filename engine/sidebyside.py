@@ -609,6 +609,8 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     if any(s.startswith("ours") and s != "ours_target_only" for s in systems) and not (args.sps or args.engine_dir):
         notes.append("no SPS table (--sps or the engine directory's): our speculative rows verify fixed lengths.")
     print("systems:", ", ".join(systems), *(["\n" + n for n in notes]), flush=True)
+    if not systems:
+        sys.exit("bench: no system left to run")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     few = {ALIASES.get(x, x) for x in args.few_rounds.split(",") if x}
