@@ -283,8 +283,9 @@ def _params(level: Level, i: int, max_tokens: int | None = None):
     return SamplingParams(max_tokens=n, temperature=level.temperature, seed=SEED_BASE + i)
 
 
-def _engine_dir_parts(engine_dir: str | None, target):
-    """(drafter or None, SPS table or None, STS temperatures or None) of an engine directory."""
+def _engine_dir_parts(engine_dir: str | None, target, with_drafter: bool = True):
+    """(drafter or None, SPS table or None, STS temperatures or None) of an engine directory; the
+    drafter only ``with_drafter`` (the suffix rows use the directory's SPS table, not its drafter)."""
     if engine_dir is None:
         return None, None, None
     from dspark.training.checkpoint import load_checkpoint
@@ -292,7 +293,7 @@ def _engine_dir_parts(engine_dir: str | None, target):
     from .export.manifest import read_engine_json
     root = Path(engine_dir)
     meta = read_engine_json(root)
-    drafter = load_checkpoint(root / meta.get("drafter_dir", "drafter"), target)[0]
+    drafter = load_checkpoint(root / meta.get("drafter_dir", "drafter"), target)[0] if with_drafter else None
     sps = sts = None
     if meta.get("sps"):
         from .sps import load_sps_table
@@ -315,7 +316,7 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
 
     threads.configure(spec["threads"])
     target = load_target(load_target_profile("smollm2-135m"), device="cpu")
-    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir") if system in NEEDS_DRAFTER else None, target)
+    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir"), target, with_drafter=system in NEEDS_DRAFTER)
     if spec.get("sps"):
         sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
     base = EngineConfig(mode="spec", threads=spec["threads"], static_steps=spec["static_steps"],
@@ -568,8 +569,9 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--threads", type=int, default=0, help="our engine's and generate()'s intra-op threads (0: all cores)")
     ap.add_argument("--static-steps", default="auto")
-    ap.add_argument("--engine-dir", default=None, help="engine directory with a drafter (ours_spec, ours_hybrid)")
-    ap.add_argument("--sps", default=None, help="SPS table for our scheduled rows (default: the engine directory's)")
+    ap.add_argument("--engine-dir", default=None,
+                    help="engine directory: its drafter (ours_spec, ours_hybrid) and SPS/STS files (every ours row)")
+    ap.add_argument("--sps", default=None, help="SPS table for our scheduled rows (overrides the engine directory's)")
     ap.add_argument("--suffix-max-drafts", type=int, default=3)
     ap.add_argument("--suffix-scope", default="shared", help="shared | request")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
