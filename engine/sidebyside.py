@@ -6,6 +6,8 @@
 Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
 
 - ``ours_target_only``: ``SpecEngine`` with the null proposer, the baseline of every ``x ours`` ratio;
+- ``ours_target_only_bf16``: the same with the target in bf16 (``load_engine(dtype="bfloat16")``; the
+  identity column then says how many requests bf16 leaves token-identical to the fp32 target);
 - ``ours_spec`` (alias ``dspark_scheduled``): the engine directory's neural drafter, Algorithm 1
   with the SPS table, the drafting gate on;
 - ``ours_suffix``: the suffix proposer (no training), Algorithm 1;
@@ -49,8 +51,9 @@ from .sidebyside_report import TASKS, summarise, write_report
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
            "drive", "EngineProbe", "build_parser", "main"]
 
-SYSTEMS = ("ours_target_only", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate", "hf_prompt_lookup",
-           "vllm_target_only", "vllm_ngram")
+SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate",
+           "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
+OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_bf16")  # the null proposer; _bf16: a bf16 target
 ALIASES = {"target_only": "ours_target_only", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
            "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
 OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix"}
@@ -314,8 +317,11 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
     from .runtime import EngineConfig, SpecEngine
     from .sps import load_sps_table
 
+    import torch
+
     threads.configure(spec["threads"])
-    target = load_target(load_target_profile("smollm2-135m"), device="cpu")
+    dtype = torch.bfloat16 if system.endswith("_bf16") else torch.float32
+    target = load_target(load_target_profile("smollm2-135m"), device="cpu", dtype=dtype)
     drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir"), target, with_drafter=system in NEEDS_DRAFTER)
     if spec.get("sps"):
         sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
@@ -324,7 +330,7 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
     results = []
     eng = None
     for lv, prompts in work:
-        if system == "ours_target_only":
+        if system in OURS_TARGET_ONLY:
             cfg = dataclasses.replace(base, mode="target_only", max_batch=lv.batch)
         else:
             cfg = dataclasses.replace(base, proposers=OURS_PROPOSERS[system], max_batch=lv.batch,
@@ -358,11 +364,12 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
         records = rec.records(list(zip(rids, (p.task for p in prompts))))
         by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS}
         by_task["overall"] = rids
-        proposers = {t: probe.proposers_of(r) for t, r in by_task.items()} if system != "ours_target_only" else None
+        proposers = {t: probe.proposers_of(r) for t, r in by_task.items()} if system not in OURS_TARGET_ONLY else None
         results.append({"seconds": secs, "request_records": records, "proposers": proposers,
                         "step_ms": probe.step_ms()})
     info = threads.describe()
     info["attention"] = "varlen" if getattr(eng.runner, "varlen", False) else "sdpa"
+    info["dtype"] = str(dtype).removeprefix("torch.")
     info["sps"] = getattr(sps, "source", None) if sps is not None else None
     info["sps_engine"] = getattr(sps, "engine", None) if sps is not None else None
     return results, info
@@ -608,7 +615,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         notes.append(f"{', '.join(skipped)} not run: no engine directory with a drafter was given (--engine-dir; "
                      "build one with scripts/build_engine.sh).")
         systems = [s for s in systems if s not in NEEDS_DRAFTER]
-    if any(s.startswith("ours") and s != "ours_target_only" for s in systems) and not (args.sps or args.engine_dir):
+    if any(s.startswith("ours") and s not in OURS_TARGET_ONLY for s in systems) and not (args.sps or args.engine_dir):
         notes.append("no SPS table (--sps or the engine directory's): our speculative rows verify fixed lengths.")
     print("systems:", ", ".join(systems), *(["\n" + n for n in notes]), flush=True)
     if not systems:
