@@ -76,25 +76,46 @@ def _materialise_gguf(directory: Path, gguf_file: str) -> Path:
     """Dequantise a GGUF once into a cached HF directory; return that directory."""
     digest = _file_digest(directory / gguf_file)
     out = cache_root() / "targets" / f"{Path(gguf_file).stem}-{digest}"
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("dequantising %s once into %s", gguf_file, out)
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-    # the weights are already dequantised: save them as a plain fp32 checkpoint
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished the same cache first
-        import shutil
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("dequantising %s once into %s", gguf_file, out)
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+        # the weights are already dequantised: save them as a plain fp32 checkpoint
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    return build_cached_dir(out, write, ("config.json", "tokenizer_config.json"))
+
+
+def build_cached_dir(out: Path, write, marks: tuple[str, ...]) -> Path:
+    """``out`` with the files ``marks``, built by ``write(tmp)`` into a private folder and renamed
+    into place, by one process at a time: the Triton models of one server start in parallel
+    processes, and on a cold cache each of them would otherwise build the same folder at once."""
+    def done() -> bool:
+        return all((out / m).is_file() for m in marks)
+    if done():
+        return out
+    import fcntl
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait here, then find it built
+        if done():
+            return out
+        tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write(tmp)
+            shutil.rmtree(out, ignore_errors=True)  # an incomplete folder left by a killed build
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
