@@ -60,6 +60,18 @@ def run_to_completion(engine, jobs) -> dict[str, list[int]]:
     return outs
 
 
+def record_rows(obj, method: str) -> list[int]:
+    """Wrap ``obj.method(slots, ...)`` so each call appends ``len(slots)`` to the returned list."""
+    inner = getattr(obj, method)
+    rows: list[int] = []
+
+    def recording(slots, *args, **kwargs):
+        rows.append(len(slots))
+        return inner(slots, *args, **kwargs)
+    setattr(obj, method, recording)
+    return rows
+
+
 def run_with_arrivals(engine, jobs) -> dict[str, list[int]]:
     """Submit ``jobs`` [(arrival step, request id, prompt ids, SamplingParams)] each at its step
     (ties in list order) while the engine steps, until all are done; -> request id -> emitted ids."""

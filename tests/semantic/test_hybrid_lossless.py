@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 from dspark.engine.api import SamplingParams
 from dspark.engine.proposers import SuffixConfig
@@ -17,7 +16,8 @@ from dspark.engine.runtime import EngineConfig, SpecEngine, parse_proposers
 from dspark.engine.sps import SpsTable
 from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
+from ..conftest import make_tiny_target, record_rows, run_to_completion, tiny_run_config
+from ..distribution import pooled_chisquare_pvalue
 
 
 def _table() -> SpsTable:
@@ -130,12 +130,7 @@ def test_rejection_sampled_suffix_and_hybrid_output_follows_the_target_distribut
     outs = run_to_completion(engine, [(f"s{i}", prompt, SamplingParams(max_tokens=4, temperature=1.0))
                                       for i in range(n)])
     cells = torch.tensor([outs[f"s{i}"][1] * V + outs[f"s{i}"][2] for i in range(n)])
-    counts = torch.bincount(cells, minlength=V * V).double()
-    expected = joint * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    assert float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue) > 1e-3
+    assert pooled_chisquare_pvalue(torch.bincount(cells, minlength=V * V), joint) > 1e-3
     suffix = engine.stats.by_proposer["suffix"]
     assert 0 < suffix.accepted < suffix.drafted, "the suffix drafts were never (or always) accepted"
 
@@ -159,13 +154,7 @@ def test_hybrid_keeps_probing_a_drafter_whose_first_probe_accepted_nothing():
     rare = SuffixConfig(max_drafts=3, min_match=15)  # suffix proposals rare: most rows have none
     engine = SpecEngine(target, _drafter(target), EngineConfig(proposers="neural+suffix", scheduler="algorithm1",
                                                                max_batch=2, suffix=rare), sps=_table())
-    calls: list[int] = []
-    inner = engine.draft_runner.propose
-
-    def spy(slots, *a, **k):
-        calls.append(len(slots))
-        return inner(slots, *a, **k)
-    engine.draft_runner.propose = spy
+    calls = record_rows(engine.draft_runner, "propose")
     engine.gate.observe(8, 8, 0)  # a history in which the drafter accepted nothing: its estimate is 0
     assert engine.gate.accepted == 0.0
     assert run_to_completion(engine, jobs) == base

@@ -10,7 +10,7 @@ from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.engine.sps import SpsTable
 from dspark.training.models import build_drafter, drafter_config_for
 
-from ..conftest import make_tiny_target, run_to_completion, tiny_run_config
+from ..conftest import make_tiny_target, record_rows, run_to_completion, tiny_run_config
 
 
 def _table(draft_seconds: float, verify_slope: float = 0.0) -> SpsTable:
@@ -206,13 +206,7 @@ def test_suffix_lookups_are_gated_by_their_host_cost_and_stay_token_identical(ho
                        suffix=SuffixConfig(max_drafts=3, host_seconds_per_row=host_seconds))
     engine = SpecEngine(target, None, cfg, sps=_table(0.0))
     assert engine.suffix_gate is not None
-    looked: list[int] = []
-    propose = engine.suffix.propose
-
-    def recording(slots, *args, **kwargs):
-        looked.append(len(slots))
-        return propose(slots, *args, **kwargs)
-    engine.suffix.propose = recording
+    looked = record_rows(engine.suffix, "propose")
     assert run_to_completion(engine, jobs) == base
     steps = engine.stats.decode_steps
     if host_seconds:
