@@ -17,17 +17,18 @@ be built; the engine then uses ``scaled_dot_product_attention`` and says so in i
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 
 import torch
 
+from dspark.training.small_gemm import cpu_tag
+
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "varlen_attention", "reference"]
+__all__ = ["available", "varlen_attention", "reference", "KERNEL_SOURCE"]
 
-_SOURCE = r"""
+KERNEL_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -36,7 +37,7 @@ _SOURCE = r"""
 
 // q [N, Hq, D]; k, v [S, Hkv, C, D] (the cache of one layer); slot, pos [N] int64.
 // Token n attends keys 0..min(pos[n], limit - 1) of cache slot slot[n].
-at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+static at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& slot, const at::Tensor& pos, double scale, int64_t limit) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "varlen_attention: q [N,Hq,D], k/v [S,Hkv,C,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -110,7 +111,9 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   });
   return out;
 }
+"""
 
+_OP_SOURCE = r"""
 TORCH_LIBRARY(dspark, m) {
   m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor slot, Tensor pos, float scale, int limit) -> Tensor");
   m.impl("varlen_attention", c10::DispatchKey::CPU, &varlen_attention);
@@ -121,16 +124,6 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    """Short hash of the CPU's feature flags: a ``-march=native`` build belongs to one kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
-
-
 def available() -> bool:
     """Build (once per process; the build itself is cached on disk) and register the kernel;
     False, with the reason logged, where no C++ toolchain can build it."""
@@ -138,7 +131,7 @@ def available() -> bool:
         if "ok" not in _state:
             try:
                 from torch.utils.cpp_extension import load_inline
-                load_inline(name=f"dspark_varlen_attention_{_cpu_tag()}", cpp_sources=_SOURCE, functions=None,
+                load_inline(name=f"dspark_varlen_attention_{cpu_tag()}", cpp_sources=KERNEL_SOURCE + _OP_SOURCE, functions=None,
                             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
                             verbose=False)
                 _register_fake()

@@ -82,6 +82,7 @@ class EngineConfig:
     sampling_rule: str = "coupled"
     static_steps: str = "auto"  # auto (CUDA graphs on a GPU, off on CPU) | graphs | eager | off: engine/static_target.py
     attention: str = "auto"  # auto (varlen kernel for fp32 on CPU) | varlen | sdpa: engine/target_runner.py
+    layers: str = "auto"  # auto (one C++ call for the decoder stack where it fits) | fused | torch: engine/cpu_decoder.py
     # prompt chunks in the same target pass as the verify rows (with varlen attention, no static steps)
     fused_prefill: bool = True
     threads: int = 0  # intra-op threads (0: torch's default, one per usable core): engine/threads.py
@@ -142,10 +143,10 @@ class SpecEngine:
         self.max_context = self.cfg.max_context
         self.threads = threads.configure(self.cfg.threads)
         self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context,
-                                   attention=self.cfg.attention)
-        log.info("engine: %s, target %s, attention %s, proposers %s", threads.describe(),
+                                   attention=self.cfg.attention, layers=self.cfg.layers)
+        log.info("engine: %s, target %s, attention %s, layers %s, proposers %s", threads.describe(),
                  str(self.runner.dtype).removeprefix("torch."), "varlen" if self.runner.varlen else "sdpa",
-                 "+".join(names))
+                 "fused" if self.runner.stack is not None else "torch", "+".join(names))
         self.drafter = drafter if "neural" in names else None
         self.proposers: list[Proposer] = [
             build_proposer(n, max_slots=self.cfg.max_batch, drafter=self.drafter, sps=sps,

@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from dspark.training import cpu_linear
 from dspark.training.cpu_linear import project
 
-from . import cpu_attention
+from . import cpu_attention, cpu_decoder
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_MODES = ("auto", "varlen", "sdpa")
+LAYER_MODES = ("auto", "fused", "torch")
 
 
 @dataclass
@@ -44,12 +46,16 @@ class RaggedOutput:
 
 class TargetRunner:
     def __init__(self, target, max_slots: int, initial_capacity: int = 256, max_context: int = 2048,
-                 attention: str = "auto"):
+                 attention: str = "auto", layers: str = "auto"):
         """``attention``: ``varlen`` (the packed CPU kernel of ``cpu_attention.py``), ``sdpa``
         (a padded grid under a mask), or ``auto``: varlen for a float32 target on the CPU
-        where the kernel builds, else sdpa."""
+        where the kernel builds, else sdpa. ``layers``: ``fused`` (the decoder stack as one
+        C++ call, ``cpu_decoder.py``; needs varlen attention), ``torch`` (the layers in
+        PyTorch, ``_layer``), or ``auto``: fused where it builds and fits the target."""
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        if layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {', '.join(LAYER_MODES)}, got {layers!r}")
         model_type = getattr(target.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
@@ -78,6 +84,21 @@ class TargetRunner:
             raise ValueError("attention='varlen' needs a float32 target on the CPU and a C++ toolchain "
                              "(engine/cpu_attention.py)")
         self.varlen = attention == "varlen" or (attention == "auto" and fits and cpu_attention.available())
+        self.stack = self._fused_stack(target, layers)
+
+    def _fused_stack(self, target, layers: str) -> cpu_decoder.DecoderStack | None:
+        """The C++ decoder stack where ``layers`` asks for it and it can run this target exactly."""
+        if layers == "torch":
+            return None
+        why = None if self.varlen else "the fused layers need varlen attention"
+        why = why or cpu_decoder.supports(target)
+        if why is None and not cpu_decoder.available():
+            why = "the fused decoder stack did not build (a C++ toolchain with AVX-512 or AVX2+FMA is needed)"
+        if why is not None:
+            if layers == "fused":
+                raise ValueError(f"layers='fused': {why}")
+            return None
+        return cpu_decoder.DecoderStack(target, self.n_heads, self.n_kv, self.head_dim, self.layer_ids)
 
     # -- slot management ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:
@@ -179,11 +200,17 @@ class TargetRunner:
         heads = torch.arange(self.n_kv, device=self.device)
         dest = ((rows.to(self.device).unsqueeze(1) * self.n_kv + heads) * self.capacity
                 + wpos.to(self.device).unsqueeze(1)).reshape(-1)
-        captured = {}
-        for li, layer in enumerate(self.layers):
-            h = self._layer(li, layer, h, cos, sin, mask, rows, dest, grid, total, gather, apos)
-            if need_features and li in self.layer_ids:
-                captured[li] = h
+        if self.stack is not None and mask is None:
+            max_rows = cpu_linear.MAX_ROWS if cpu_linear.mode() == "kernel" else 0
+            h, features = self.stack.forward(h, cos, sin, self.k, self.v, dest, rows.to(self.device), apos, total,
+                                             max_rows)
+            captured = dict(zip(self.layer_ids, features))
+        else:
+            captured = {}
+            for li, layer in enumerate(self.layers):
+                h = self._layer(li, layer, h, cos, sin, mask, rows, dest, grid, total, gather, apos)
+                if need_features and li in self.layer_ids:
+                    captured[li] = h
         last = dec.norm(h)
         aux = torch.cat([captured[li] for li in self.layer_ids], dim=-1) if need_features \
             else last.new_zeros(last.shape[0], 0)

@@ -26,8 +26,9 @@ from dspark.training.data import load_eval_prompts
 from dspark.training.target import load_target
 
 
-def profile_step(target, prompts, rows: int, attention: str, steps: int, top: int) -> tuple[float, str]:
-    eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=rows, attention=attention))
+def profile_step(target, prompts, rows: int, attention: str, steps: int, top: int,
+                 layers: str = "auto") -> tuple[float, str]:
+    eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=rows, attention=attention, layers=layers))
     for i in range(rows):
         prompt = prompts[i % len(prompts)]
         room = eng.max_context - len(prompt) - eng.K - 1  # the most the engine accepts: no request ends while profiled
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--attention", default="sdpa,varlen")
     ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--layers", default="auto", help="EngineConfig.layers: auto | fused | torch")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--out", default=None, help="markdown file for the tables")
@@ -64,8 +66,8 @@ def main() -> None:
              f"load average at start {' / '.join(f'{x:.1f}' for x in __import__('os').getloadavg())}.", ""]
     for rows in (int(r) for r in args.rows.split(",")):
         for attention in args.attention.split(","):
-            ms, table = profile_step(target, prompts, rows, attention, args.steps, args.top)
-            head = f"### {rows} row(s), attention={attention}: {ms:.1f} ms per step ({rows / ms * 1000:.1f} tokens/s)"
+            ms, table = profile_step(target, prompts, rows, attention, args.steps, args.top, args.layers)
+            head = f"### {rows} row(s), attention={attention}, layers={args.layers}: {ms:.1f} ms per step ({rows / ms * 1000:.1f} tokens/s)"
             print(head, table, sep="\n", flush=True)
             lines += [head, "", "```", table.strip(), "```", ""]
     if args.out:

@@ -32,12 +32,13 @@ class _TinyTokenizer:
         return [1] + [3 + (ord(c) % 60) for c in msgs[0]["content"]] + [1]
 
 
-def make_tiny_target(model_type: str = "llama", seed: int = 0) -> Target:
+def make_tiny_target(model_type: str = "llama", seed: int = 0, attention_bias: bool = False) -> Target:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                  attention_bias=attention_bias)
     if model_type == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
     else:

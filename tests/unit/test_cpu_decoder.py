@@ -1,0 +1,90 @@
+"""The fused C++ decoder stack computes the target's layers as the PyTorch layers do: the same
+logits, features and cache writes to float32 rounding, and the same greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine import cpu_decoder
+from dspark.engine.api import SamplingParams
+from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.target_runner import TargetRunner
+
+from ..conftest import make_tiny_target, run_to_completion
+
+pytestmark = pytest.mark.skipif(not cpu_decoder.available(), reason="the fused stack cannot be built here")
+
+
+def _biased_target():
+    target = make_tiny_target("llama", attention_bias=True)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for layer in target.layers:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                bias = getattr(layer.self_attn, proj).bias
+                bias.copy_(torch.randn(bias.shape, generator=g))
+    return target
+
+
+def _forwards(target, layers: str):
+    """A gathered prefill (slots 2, 0, 3), then a ragged verify-shaped step."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    r = TargetRunner(target, max_slots=4, max_context=64, attention="varlen", layers=layers)
+    pre = r.forward([2, 0, 3], prompts)
+    for s, p in zip((2, 0, 3), prompts):
+        r.set_length(s, len(p))
+    step = r.forward([0, 1, 2, 3][:3], [[7, 8, 9], [10], [11, 12, 13, 14]])
+    return r, pre, step
+
+
+@pytest.mark.parametrize("make", [lambda: make_tiny_target("llama"), lambda: make_tiny_target("qwen3"), _biased_target],
+                         ids=["llama", "qwen3-qk-norm", "llama-attention-bias"])
+@pytest.mark.parametrize("linear_mode", ["kernel", "flinear"])
+def test_fused_stack_matches_the_pytorch_layers(make, linear_mode, monkeypatch):
+    monkeypatch.setenv("DSPARK_CPU_LINEAR", linear_mode)
+    target = make()
+    fused, torch_layers = _forwards(target, "fused"), _forwards(target, "torch")
+    assert fused[0].stack is not None and torch_layers[0].stack is None
+    for got, want in zip(fused[1:], torch_layers[1:]):
+        for name in ("logits", "aux", "last"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(fused[0].k, torch_layers[0].k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[0].v, torch_layers[0].v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_greedy_tokens_are_the_same_with_fused_and_pytorch_layers(model_type):
+    target = make_tiny_target(model_type)
+    g = torch.Generator().manual_seed(5)
+    jobs = [(f"r{i}", torch.randint(6, 64, (n,), generator=g).tolist(), SamplingParams(max_tokens=24, temperature=0.0))
+            for i, n in enumerate((5, 17, 9))]
+    outs = []
+    for layers in ("fused", "torch"):
+        engine = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4, max_context=128, layers=layers))
+        assert (engine.runner.stack is not None) == (layers == "fused")
+        outs.append(run_to_completion(engine, jobs))
+    assert outs[0] == outs[1]
+
+
+def test_fused_layers_are_refused_with_the_reason_where_they_cannot_run():
+    target = make_tiny_target()
+    with pytest.raises(ValueError, match="layers='fused': the fused layers need varlen attention"):
+        TargetRunner(target, max_slots=2, attention="sdpa", layers="fused")
+    assert TargetRunner(target, max_slots=2, attention="sdpa").stack is None  # auto: the PyTorch layers
+    target.model.double()
+    assert cpu_decoder.supports(target) == "the fused stack runs float32 targets on the CPU"
+    with pytest.raises(ValueError, match="layers must be one of"):
+        TargetRunner(make_tiny_target(), max_slots=2, layers="compiled")
+
+
+@pytest.mark.slow
+def test_real_target_greedy_tokens_are_the_same_with_fused_and_pytorch_layers(smollm2):
+    prompts = [smollm2.chat_prompt_ids(t) for t in ("What is 17 * 23?", "Write a haiku about the sea.")]
+    jobs = [(f"r{i}", p, SamplingParams(max_tokens=48, temperature=0.0)) for i, p in enumerate(prompts)]
+    outs = []
+    for layers in ("fused", "torch"):
+        engine = SpecEngine(smollm2, None, EngineConfig(mode="target_only", max_batch=2, layers=layers))
+        outs.append(run_to_completion(engine, jobs))
+    assert outs[0] == outs[1]
