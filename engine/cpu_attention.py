@@ -8,23 +8,17 @@ really read: a long request in the batch does not make every other row pay its c
 (as masked attention over a [rows, longest row] grid would), and no [rows, queries,
 context] mask is built and converted on each step.
 
-The kernel is built once per machine with ``torch.utils.cpp_extension.load_inline``
-(``-O3 -march=native``; cached under torch's extensions directory, keyed by the CPU's
-flags) and registered as ``torch.ops.dspark.varlen_attention``, with a fake kernel, so
+The kernel is built on first use (``training/cpu_build.py``: once per machine, cached on
+disk) and registered as ``torch.ops.dspark.varlen_attention``, with a fake kernel, so
 ``torch.compile`` keeps it inside a compiled graph. ``available()`` says whether it could
 be built; the engine then uses ``scaled_dot_product_attention`` and says so in its log.
 ``reference()`` is the same computation in PyTorch, one token at a time, for tests.
 """
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
-from dspark.training.small_gemm import cpu_tag
-
-log = logging.getLogger(__name__)
+from dspark.training.cpu_build import CpuExtension
 
 __all__ = ["available", "varlen_attention", "reference", "KERNEL_SOURCE"]
 
@@ -120,26 +114,17 @@ TORCH_LIBRARY(dspark, m) {
 }
 """
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+def _check(_) -> None:
+    _register_fake()
+
+
+_EXTENSION = CpuExtension("dspark_varlen_attention", lambda: KERNEL_SOURCE + _OP_SOURCE,
+                          "attention runs on a padded grid", check=_check)
 
 
 def available() -> bool:
-    """Build (once per process; the build itself is cached on disk) and register the kernel;
-    False, with the reason logged, where no C++ toolchain can build it."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                from torch.utils.cpp_extension import load_inline
-                load_inline(name=f"dspark_varlen_attention_{cpu_tag()}", cpp_sources=KERNEL_SOURCE + _OP_SOURCE, functions=None,
-                            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
-                            verbose=False)
-                _register_fake()
-                _state["ok"] = True
-            except Exception as exc:  # no compiler, no headers: the engine falls back and says so
-                log.warning("varlen CPU attention unavailable (%s): attention runs on a padded grid", exc)
-                _state["ok"] = False
-        return bool(_state["ok"])
+    """Build the kernel on first use (``training/cpu_build.py``); False where it cannot be built."""
+    return _EXTENSION.load() is not None
 
 
 def _register_fake() -> None:

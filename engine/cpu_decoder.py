@@ -12,24 +12,19 @@ attention of ``cpu_attention``, with the arithmetic of the Python layer
 agree to float32 rounding of the reductions (norm means, softmax sums), which the tests
 check along with identical greedy decoding.
 
-Built once per machine like the kernels it includes (``load_inline``, cached on disk);
+Built on first use like the kernels it includes (``training/cpu_build.py``);
 ``available()`` says whether it built. ``supports(target)`` says whether a target's layers
 have the shape this stack computes (Llama-family attention, SiLU-gated MLP, float32 on the
 CPU); the runner keeps its Python layer for every other case.
 """
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
 from dspark.training import small_gemm
-from dspark.training.small_gemm import cpu_tag
+from dspark.training.cpu_build import CpuExtension
 
 from . import cpu_attention
-
-log = logging.getLogger(__name__)
 
 __all__ = ["available", "supports", "DecoderStack"]
 
@@ -172,26 +167,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_lock = threading.Lock()
-_module: dict[str, object] = {}
+_EXTENSION = CpuExtension("dspark_decoder_stack",
+                          lambda: small_gemm.KERNEL_SOURCE + cpu_attention.KERNEL_SOURCE + _STACK_SOURCE,
+                          "the layers run in PyTorch", python_module=True)
 
 
 def available() -> bool:
-    """Build (once per process; cached on disk) the stack; False, with the reason logged, where
-    the kernels it includes cannot be built."""
-    with _lock:
-        if "mod" not in _module:
-            _module["mod"] = None
-            if small_gemm.available() and cpu_attention.available():
-                try:
-                    from torch.utils.cpp_extension import load_inline
-                    _module["mod"] = load_inline(
-                        name=f"dspark_decoder_stack_{cpu_tag()}",
-                        cpp_sources=small_gemm.KERNEL_SOURCE + cpu_attention.KERNEL_SOURCE + _STACK_SOURCE,
-                        functions=None, extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-                except Exception as exc:  # the runner keeps its Python layers, and says so
-                    log.warning("fused CPU decoder stack unavailable (%s): the layers run in PyTorch", exc)
-        return _module["mod"] is not None
+    """Build the stack on first use (``training/cpu_build.py``); False where it or the kernels
+    it includes cannot be built."""
+    return small_gemm.available() and cpu_attention.available() and _EXTENSION.load() is not None
 
 
 def supports(target) -> str | None:
@@ -238,7 +222,7 @@ class DecoderStack:
         first = target.layers[0]
         qk_eps = _norm_eps(first.self_attn.q_norm) if hasattr(first.self_attn, "q_norm") else 0.0
         self.scale = float(first.self_attn.scaling)
-        self._stack = _module["mod"].DecoderStack(layers, _norm_eps(first.input_layernorm), qk_eps, n_heads, n_kv,
+        self._stack = _EXTENSION.load().DecoderStack(layers, _norm_eps(first.input_layernorm), qk_eps, n_heads, n_kv,
                                                   head_dim, self.scale, list(capture))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

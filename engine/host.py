@@ -1,5 +1,5 @@
 """What machine a benchmark ran on, for its report: CPU results differ between CPU models
-(``training/cpu_linear.py`` found the fastest small-row product reversed between two)."""
+(the fastest small-row product, the bandwidth a step streams at, the vector units)."""
 from __future__ import annotations
 
 import platform

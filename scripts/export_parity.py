@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# the kit's CPU inference linears through F.linear, not a per-shape timed choice (training/cpu_linear.py):
+# the kit's CPU inference linears through F.linear, not the small-row kernel (training/cpu_linear.py):
 # the reference is then the same numbers on every run
 os.environ.setdefault("DSPARK_CPU_LINEAR", "flinear")
 CASES = (  # (row name, run overrides)

@@ -63,7 +63,7 @@ class MarkovHead(nn.Module):
     def bias(self, feature: torch.Tensor) -> torch.Tensor:
         """[..., r] -> [..., V] additive logit correction. ``W2`` is one of a drafting step's two
         large products (the LM head is the other, ``TargetTiedDrafter.draft_logits``), so it goes
-        through ``cpu_linear.project``, which picks the faster small-row form on CPU inference."""
+        through ``cpu_linear.project``, the small-row kernel on CPU inference."""
         return project(self.w2, feature)
 
 

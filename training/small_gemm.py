@@ -18,22 +18,17 @@ the same alone, in a 64-row batch, or at draft position 5 of a verify block, whi
 "greedy speculative output = target-only output" exact arithmetic rather than a near-tie
 argument; the tests check it directly.
 
-Built once per machine with ``torch.utils.cpp_extension.load_inline`` (``-O3
--march=native``, cached on disk, keyed by the CPU's feature flags) for AVX-512 or AVX2+FMA,
-and registered as ``torch.ops.dspark.small_gemm``. ``available()`` is False where neither
+Built on first use (``cpu_build``) for AVX-512 or AVX2+FMA, and registered as
+``torch.ops.dspark_gemm.small_gemm``. ``available()`` is False where neither
 instruction set or no compiler is present; ``cpu_linear.linear`` then uses ``F.linear``.
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
+from .cpu_build import CpuExtension
 
-__all__ = ["available", "small_gemm", "cpu_tag", "KERNEL_SOURCE"]
+__all__ = ["available", "small_gemm", "KERNEL_SOURCE"]
 
 KERNEL_SOURCE = r"""
 #include <torch/extension.h>
@@ -226,42 +221,21 @@ TORCH_LIBRARY(dspark_gemm, m) {
 }
 """
 
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
+def _check(_) -> str | None:
+    if not torch.ops.dspark_gemm.supported():
+        return "this CPU has neither AVX-512 nor AVX2+FMA"
+    _register_fake()
+    return None
 
 
-def cpu_tag() -> str:
-    """Short hash of the CPU's feature flags: a ``-march=native`` build belongs to one kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+_EXTENSION = CpuExtension("dspark_small_gemm", lambda: KERNEL_SOURCE + _OP_SOURCE, "products run on F.linear",
+                          check=_check)
 
 
 def available() -> bool:
-    """Build (once per process; the build is cached on disk) and register the kernel; False,
-    with the reason logged, without a C++ toolchain or without AVX-512 / AVX2+FMA."""
-    ok = _state.get("ok")
-    if ok is not None:  # the hot path: every inference product asks
-        return ok
-    with _lock:
-        if "ok" not in _state:
-            try:
-                from torch.utils.cpp_extension import load_inline
-                load_inline(name=f"dspark_small_gemm_{cpu_tag()}", cpp_sources=KERNEL_SOURCE + _OP_SOURCE, functions=None,
-                            extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False,
-                            verbose=False)
-                _state["ok"] = bool(torch.ops.dspark_gemm.supported())
-                if not _state["ok"]:
-                    log.warning("small-row CPU product: this CPU has neither AVX-512 nor AVX2+FMA; using F.linear")
-                else:
-                    _register_fake()
-            except Exception as exc:  # no compiler, no headers: F.linear, and the log says so
-                log.warning("small-row CPU product unavailable (%s): using F.linear", exc)
-                _state["ok"] = False
-        return _state["ok"]
+    """Build the kernel on first use (see ``cpu_build``); False without a C++ toolchain or
+    without AVX-512 / AVX2+FMA (``cpu_linear`` then uses ``F.linear``)."""
+    return _EXTENSION.load() is not None
 
 
 def _register_fake() -> None:

@@ -263,7 +263,7 @@ class TargetTiedDrafter(nn.Module):
         """Normed hidden [..., d] -> logits over the draft vocabulary [..., N].
 
         The LM head is the largest product of a drafting step, so this one place runs it through
-        ``cpu_linear.project`` (the faster small-row form on CPU inference; ``F.linear`` under
+        ``cpu_linear.project`` (the small-row kernel on CPU inference; ``F.linear`` under
         autograd, on GPUs and while exporting) rather than each caller choosing."""
         return project(self.draft_head, hidden)
 
