@@ -5,7 +5,7 @@ projections, rotary embedding, cache writes, attention, residuals, the gated MLP
 request at a time that is about a thousand dispatches whose bookkeeping costs a third as
 much as streaming the weights. ``DecoderStack`` holds the layers' weights (the target's own
 tensors, not copies) and runs the whole stack in C++: RMSNorm, the q/k/v/o and MLP products
-through ``small_gemm`` (``at::linear`` above ``max_rows`` rows), the Qwen3 per-head q/k
+on weights packed once (``cpu_gemm``), the Qwen3 per-head q/k
 norms where the target has them, rotary embedding, the cache writes and the packed varlen
 attention of ``cpu_attention``, with the arithmetic of the Python layer
 (``TargetRunner._layer``): the same operations in the same order per element, so the two
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.training import small_gemm
+from dspark.training import cpu_gemm, cpu_linear
 from dspark.training.cpu_build import CpuExtension
 
 from . import cpu_attention
@@ -80,17 +80,24 @@ void rotate(at::Tensor& q, const at::Tensor& cos, const at::Tensor& sin) {
 struct Layer {
   at::Tensor norm1, wq, wk, wv, wo, norm2, wg, wu, wd;
   OptT bq, bk, bv, bo, q_norm, k_norm;
+  at::Tensor pq, pk, pv, po, pg, pu, pd;  // the projections packed for dspark_gemm::gemm
 };
 
 class DecoderStack {
  public:
+  // pack: keep packed copies of the projections (else every product is at::linear on the weights)
   DecoderStack(std::vector<std::vector<OptT>> layers, double eps, double qk_eps, int64_t n_heads, int64_t n_kv,
-               int64_t head_dim, double scale, std::vector<int64_t> capture)
+               int64_t head_dim, double scale, std::vector<int64_t> capture, bool pack)
       : eps_(eps), qk_eps_(qk_eps), hq_(n_heads), hkv_(n_kv), hd_(head_dim), scale_(scale),
-        capture_(std::move(capture)) {
+        capture_(std::move(capture)), packed_(pack) {
     for (auto& t : layers) {
       TORCH_CHECK(t.size() == 15, "DecoderStack: 15 tensors per layer");
       Layer l{*t[0], *t[1], *t[2], *t[3], *t[4], *t[5], *t[6], *t[7], *t[8], t[9], t[10], t[11], t[12], t[13], t[14]};
+      if (pack) {
+        l.pq = dspark_gemm::pack(l.wq); l.pk = dspark_gemm::pack(l.wk); l.pv = dspark_gemm::pack(l.wv);
+        l.po = dspark_gemm::pack(l.wo); l.pg = dspark_gemm::pack(l.wg); l.pu = dspark_gemm::pack(l.wu);
+        l.pd = dspark_gemm::pack(l.wd);
+      }
       layers_.push_back(std::move(l));
     }
   }
@@ -101,7 +108,7 @@ class DecoderStack {
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
       at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
       const at::Tensor& vcache, const at::Tensor& dest, const at::Tensor& rows, const at::Tensor& apos,
-      int64_t limit, int64_t max_rows) {
+      int64_t limit) {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "DecoderStack: h [N, d] float32");
     TORCH_CHECK(kcache.size(0) == static_cast<int64_t>(layers_.size()), "DecoderStack: one cache per layer");
     const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -111,9 +118,9 @@ class DecoderStack {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
       at::Tensor x = rms_norm(h, L.norm1, eps_);
-      at::Tensor q = proj(x, L.wq, L.bq, max_rows).view({N, hq_, hd_});
-      at::Tensor k = proj(x, L.wk, L.bk, max_rows).view({N, hkv_, hd_});
-      at::Tensor v = proj(x, L.wv, L.bv, max_rows).view({N, hkv_, hd_});
+      at::Tensor q = proj(x, L.wq, L.pq, L.bq).view({N, hq_, hd_});
+      at::Tensor k = proj(x, L.wk, L.pk, L.bk).view({N, hkv_, hd_});
+      at::Tensor v = proj(x, L.wv, L.pv, L.bv).view({N, hkv_, hd_});
       if (L.q_norm.has_value()) {
         q = rms_norm(q.view({N * hq_, hd_}), *L.q_norm, qk_eps_).view({N, hq_, hd_});
         k = rms_norm(k.view({N * hkv_, hd_}), *L.k_norm, qk_eps_).view({N, hkv_, hd_});
@@ -124,20 +131,20 @@ class DecoderStack {
       kc.view({-1, hd_}).index_copy_(0, dest, k.view({-1, hd_}));
       vc.view({-1, hd_}).index_copy_(0, dest, v.view({-1, hd_}));
       at::Tensor o = varlen_attention(q, kc, vc, rows, apos, scale_, limit).view({N, hq_ * hd_});
-      h = proj(o, L.wo, L.bo, max_rows).add_(h);
+      h = proj(o, L.wo, L.po, L.bo).add_(h);
       x = rms_norm(h, L.norm2, eps_);
-      at::Tensor g = proj(x, L.wg, c10::nullopt, max_rows);
-      at::Tensor u = proj(x, L.wu, c10::nullopt, max_rows);
+      at::Tensor g = proj(x, L.wg, L.pg, c10::nullopt);
+      at::Tensor u = proj(x, L.wu, L.pu, c10::nullopt);
       silu_mul(g, u);
-      h = proj(g, L.wd, c10::nullopt, max_rows).add_(h);
+      h = proj(g, L.wd, L.pd, c10::nullopt).add_(h);
       if (std::find(capture_.begin(), capture_.end(), static_cast<int64_t>(li)) != capture_.end()) captured.push_back(h);
     }
     return {h, captured};
   }
 
  private:
-  static at::Tensor proj(const at::Tensor& x, const at::Tensor& w, const OptT& b, int64_t max_rows) {
-    if (x.size(0) <= max_rows) return small_gemm(x, w, b);
+  at::Tensor proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, const OptT& b) const {
+    if (packed_) return dspark_gemm::gemm(x, packed, w.size(0), b);
     return at::linear(x, w, b);
   }
 
@@ -155,6 +162,7 @@ class DecoderStack {
   int64_t hq_, hkv_, hd_;
   double scale_;
   std::vector<int64_t> capture_;
+  bool packed_;
 };
 
 }  // namespace
@@ -162,20 +170,20 @@ class DecoderStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack")
       .def(pybind11::init<std::vector<std::vector<OptT>>, double, double, int64_t, int64_t, int64_t, double,
-                          std::vector<int64_t>>())
+                          std::vector<int64_t>, bool>())
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 """
 
 _EXTENSION = CpuExtension("dspark_decoder_stack",
-                          lambda: small_gemm.KERNEL_SOURCE + cpu_attention.KERNEL_SOURCE + _STACK_SOURCE,
+                          lambda: cpu_gemm.KERNEL_SOURCE + cpu_attention.KERNEL_SOURCE + _STACK_SOURCE,
                           "the layers run in PyTorch", python_module=True)
 
 
 def available() -> bool:
     """Build the stack on first use (``training/cpu_build.py``); False where it or the kernels
     it includes cannot be built."""
-    return small_gemm.available() and cpu_attention.available() and _EXTENSION.load() is not None
+    return cpu_gemm.available() and cpu_attention.available() and _EXTENSION.load() is not None
 
 
 def supports(target) -> str | None:
@@ -207,6 +215,7 @@ class DecoderStack:
     """The target's decoder layers as one C++ call (``available()`` and ``supports`` first)."""
 
     def __init__(self, target, n_heads: int, n_kv: int, head_dim: int, capture: list[int]):
+        """Packs the projections once (``cpu_gemm``) unless ``DSPARK_CPU_LINEAR=flinear``."""
         layers = []
         for layer in target.layers:
             a, m = layer.self_attn, layer.mlp
@@ -223,15 +232,16 @@ class DecoderStack:
         qk_eps = _norm_eps(first.self_attn.q_norm) if hasattr(first.self_attn, "q_norm") else 0.0
         self.scale = float(first.self_attn.scaling)
         self._stack = _EXTENSION.load().DecoderStack(layers, _norm_eps(first.input_layernorm), qk_eps, n_heads, n_kv,
-                                                  head_dim, self.scale, list(capture))
+                                                  head_dim, self.scale, list(capture),
+                                                  cpu_linear.mode() == "kernel")
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                dest: torch.Tensor, rows: torch.Tensor, apos: torch.Tensor, limit: int,
-                max_rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                dest: torch.Tensor, rows: torch.Tensor, apos: torch.Tensor,
+                limit: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``h [N, d]`` through every layer -> (h after the last, h after each captured layer).
 
         ``cos, sin [N, head_dim]``; ``k, v`` the runner's caches ``[L, slots, kv heads, C,
         head_dim]``; ``dest [N * kv heads]`` each token's cache rows in one layer's cache seen
         as ``[slots * kv heads * C, head_dim]``; ``rows, apos [N]`` each token's slot and the
-        last position it attends; products of up to ``max_rows`` rows on ``small_gemm``."""
-        return self._stack.forward(h, cos, sin, k, v, dest, rows, apos, int(limit), int(max_rows))
+        last position it attends."""
+        return self._stack.forward(h, cos, sin, k, v, dest, rows, apos, int(limit))

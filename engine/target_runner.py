@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from dspark.training import cpu_linear
 from dspark.training.cpu_linear import project
 
 from . import cpu_attention, cpu_decoder
@@ -201,9 +200,7 @@ class TargetRunner:
         dest = ((rows.to(self.device).unsqueeze(1) * self.n_kv + heads) * self.capacity
                 + wpos.to(self.device).unsqueeze(1)).reshape(-1)
         if self.stack is not None and mask is None:
-            max_rows = cpu_linear.MAX_ROWS if cpu_linear.mode() == "kernel" else 0
-            h, features = self.stack.forward(h, cos, sin, self.k, self.v, dest, rows.to(self.device), apos, total,
-                                             max_rows)
+            h, features = self.stack.forward(h, cos, sin, self.k, self.v, dest, rows.to(self.device), apos, total)
             captured = dict(zip(self.layer_ids, features))
         else:
             captured = {}

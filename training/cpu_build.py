@@ -1,6 +1,6 @@
 """C++ extensions for CPU inference, built on first use.
 
-The kit's CPU kernels (``small_gemm``, the engine's varlen attention and fused decoder
+The kit's CPU kernels (``cpu_gemm``, the engine's varlen attention and fused decoder
 stack) are C++ compiled with ``-O3 -march=native`` by ``torch.utils.cpp_extension.load_inline``:
 once per process, cached on disk under torch's extensions directory, the build's name keyed
 by the CPU's feature flags (a ``-march=native`` build belongs to one kind of CPU). Where a

@@ -1,30 +1,30 @@
-"""``linear``: ``x @ W^T + b`` for inference on the CPU, through the small-row kernel where it fits.
+"""``linear``: ``x @ W^T + b`` for inference on the CPU, through the packed kernel where it runs.
 
-Decode and verify steps multiply a few rows (one per request and draft position) by every
-weight of the target, and draft positions end in a 49k-row LM head and Markov ``W2``. At
-those row counts a general BLAS pays for packing the weight (``F.linear`` at 4-8 rows cost
-about twice its 1-row time on this kit's Xeon), so inference products of up to
-``MAX_ROWS`` rows go through ``small_gemm`` (one pass over the weight, and each output row
-independent of the others in the call: see that module); larger products (prompt
-prefill) and everything else (GPUs, autograd in training, ONNX export, tracing) use
-``F.linear``. ``scripts/bench_cpu_linear.py`` measures the two side by side
-(``docs/benchmarks/cpu_linear.md``).
+Inference products on the CPU (the target's LM head, the drafters' layers, LM head and
+Markov ``W2``) go through ``cpu_gemm``: each weight is packed on its first use and the packed
+copy kept while the weight lives (repacked if the weight is modified in place); every row of
+the result is the same bits whatever else is in the call. Everything else (GPUs, other
+dtypes, autograd in training, ONNX export, tracing) uses ``F.linear``.
+``scripts/bench_cpu_linear.py`` measures the two side by side (``docs/benchmarks/cpu_linear.md``).
 
 ``DSPARK_CPU_LINEAR=flinear`` makes every product ``F.linear`` (bit-for-bit agreement with
-a plain PyTorch forward, as the export parity check wants); the default ``kernel`` uses
-the kernel where it builds and ``F.linear`` where it does not.
+a plain PyTorch forward, as the export parity check wants, and no packed copies); the
+default ``kernel`` uses the kernel where it builds and ``F.linear`` where it does not.
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import small_gemm
+from . import cpu_gemm
 
-MAX_ROWS = 64  # above this the kernel's row tiles lose to the large-M sgemm (cpu_linear.md)
 MODES = ("kernel", "flinear")
+
+# id(weight) -> (weak reference to it, its version when packed, the packed copy)
+_packed: dict[int, tuple[weakref.ref, int, cpu_gemm.PackedWeight]] = {}
 
 
 def mode() -> str:
@@ -36,13 +36,23 @@ def mode() -> str:
 
 
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``linear(x, weight)`` runs on the small-row kernel."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    """Whether ``linear(x, weight)`` runs on the packed kernel."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2
             or torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return 0 < rows <= MAX_ROWS and weight.is_contiguous() and mode() == "kernel" and small_gemm.available()
+    return mode() == "kernel" and cpu_gemm.available()
+
+
+def packed(weight: torch.Tensor) -> cpu_gemm.PackedWeight:
+    """The packed copy of ``weight``, made on first use and again after an in-place change."""
+    key = id(weight)
+    hit = _packed.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    p = cpu_gemm.pack(weight)
+    _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), weight._version, p)
+    return p
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not uses_kernel(x, weight):
         return F.linear(x, weight, bias)
     d = x.shape[-1]
-    out = small_gemm.small_gemm(x.reshape(-1, d), weight, bias)
+    out = cpu_gemm.gemm(x.reshape(-1, d), packed(weight), bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

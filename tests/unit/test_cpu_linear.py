@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.training import cpu_linear, small_gemm
+from dspark.training import cpu_gemm, cpu_linear
 from dspark.training.cpu_linear import linear
 
 
@@ -31,17 +31,21 @@ def test_trainable_inputs_keep_linear_and_its_gradient():
     torch.testing.assert_close(g, x.grad, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not small_gemm.available(), reason="no AVX-512 / AVX2+FMA or no C++ toolchain here")
-def test_small_row_inference_runs_on_the_kernel_and_large_products_do_not(monkeypatch):
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX-512 or no C++ toolchain here")
+def test_inference_runs_on_the_kernel_with_one_packed_copy_per_weight_kept_current(monkeypatch):
     monkeypatch.delenv("DSPARK_CPU_LINEAR", raising=False)
     w = torch.randn(64, 32)
     with torch.no_grad():
-        assert cpu_linear.uses_kernel(torch.randn(cpu_linear.MAX_ROWS, 32), w)
-        assert not cpu_linear.uses_kernel(torch.randn(cpu_linear.MAX_ROWS + 1, 32), w)
+        assert cpu_linear.uses_kernel(torch.randn(500, 32), w)
         assert not cpu_linear.uses_kernel(torch.randn(3, 32, dtype=torch.bfloat16), w.bfloat16())
-        assert not cpu_linear.uses_kernel(torch.randn(3, 32), w.t().contiguous().t())  # a strided weight
         x = torch.randn(5, 32)
-        assert torch.equal(linear(x, w), small_gemm.small_gemm(x, w))
+        assert torch.equal(linear(x, w), cpu_gemm.gemm(x, cpu_gemm.pack(w)))
+        assert cpu_linear.packed(w) is cpu_linear.packed(w)  # packed once
+        w.mul_(2)  # an in-place change (an optimizer step) is seen: the weight is packed again
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    key = id(w)
+    del w
+    assert key not in cpu_linear._packed  # the packed copy goes with its weight
 
 
 def test_flinear_mode_is_plain_f_linear_and_a_bad_mode_is_refused(monkeypatch):

@@ -1,0 +1,221 @@
+"""The float32 ``x @ W^T`` of CPU inference, on weights packed once, the same bits in any batch.
+
+A decode step multiplies a few rows (one per request and draft position) by every weight of
+the target, so it is bound by streaming the weights from memory; a step with a prompt
+chunk, or 64 requests in flight, is bound by arithmetic. A general BLAS serves both poorly
+at these sizes: at 2-8 rows it packs the weight into scratch memory on every call (a
+4-token verify cost about twice a 1-token step), and it cannot know that the same weights
+come back on every step. Here each weight is packed once (``pack``) into panels of
+``NR`` = 64 output columns, ``[panels, K, 64]``, so that one call streams every weight once,
+contiguously, whatever the row count; a 6-row x 64-column register tile (24 AVX-512
+accumulators) takes each input element as a broadcast and each packed row as four vector
+loads, which keeps the FMA units busy once there are enough rows to be compute bound.
+
+Row invariance: output ``[m, n]`` is one chain of fused multiply-adds over ``k`` in order,
+then ``+ bias[n]``, whatever the number of rows, the tile or thread it falls in, or the
+``k`` blocks (a partial sum is stored and reloaded exactly). A token's logits are therefore
+the same bits alone, in a 64-row batch, at draft position 5 of a verify block, or in a
+prompt chunk, which makes "greedy speculative output = target-only output" exact
+arithmetic; the tests check it directly.
+
+Built on first use (``cpu_build``) where the CPU has AVX-512F, registered as
+``torch.ops.dspark_gemm.*``; ``available()`` is False elsewhere and ``cpu_linear`` uses
+``F.linear``. A packed weight is a second copy of the weight (the modules keep theirs for
+training, export and the embedding lookup of tied heads).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cpu_build import CpuExtension
+
+__all__ = ["available", "PackedWeight", "pack", "gemm", "KERNEL_SOURCE", "PANEL"]
+
+PANEL = 64  # output columns per packed panel (four 16-lane vectors)
+
+KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+
+namespace dspark_gemm {
+
+constexpr int64_t NR = 64;   // packed panel width: 4 vectors of 16
+constexpr int64_t MR = 6;    // rows per register tile: 6 x 4 = 24 accumulators
+constexpr int64_t KC = 384;  // k per block: a [KC, NR] panel slice (96 KiB) stays in L2 across the row tiles
+
+#if defined(__AVX512F__)
+#define DSPARK_GEMM_OK 1
+
+// c[m, 0:cols] (=|+=) sum_k a[m, k] * p[k, 0:64] for MB rows: one FMA chain per output element
+template <int MB>
+static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc, float* c, int64_t ldc, bool first,
+                        int64_t cols) {
+  __m512 acc[MB][4];
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << std::max<int64_t>(cols, 0)) - 1u);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : (__mmask16)((1u << std::max<int64_t>(cols - 16, 0)) - 1u);
+  const __mmask16 m2 = cols >= 48 ? 0xFFFF : (__mmask16)((1u << std::max<int64_t>(cols - 32, 0)) - 1u);
+  const __mmask16 m3 = cols >= 64 ? 0xFFFF : (__mmask16)((1u << std::max<int64_t>(cols - 48, 0)) - 1u);
+  const __mmask16 mask[4] = {m0, m1, m2, m3};
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j)
+      acc[m][j] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], c + m * ldc + 16 * j);
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* pk = p + k * NR;
+    const __m512 b0 = _mm512_loadu_ps(pk), b1 = _mm512_loadu_ps(pk + 16);
+    const __m512 b2 = _mm512_loadu_ps(pk + 32), b3 = _mm512_loadu_ps(pk + 48);
+    _mm_prefetch(reinterpret_cast<const char*>(pk + 8 * NR), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pk + 8 * NR + 32), _MM_HINT_T0);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 av = _mm512_set1_ps(a[m * lda + k]);
+      acc[m][0] = _mm512_fmadd_ps(av, b0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(av, b1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(av, b2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(av, b3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(c + m * ldc + 16 * j, mask[j], acc[m][j]);
+}
+
+static inline void row_tile(int64_t mb, const float* a, int64_t lda, const float* p, int64_t kc, float* c,
+                            int64_t ldc, bool first, int64_t cols) {
+  switch (mb) {
+    case 6: tile<6>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 5: tile<5>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 4: tile<4>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 3: tile<3>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 2: tile<2>(a, lda, p, kc, c, ldc, first, cols); break;
+    default: tile<1>(a, lda, p, kc, c, ldc, first, cols); break;
+  }
+}
+#endif
+
+static bool supported() {
+#ifdef DSPARK_GEMM_OK
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] -> [ceil(N / NR), K, NR], column n of panel p holding w[p * NR + n] (zero padding)
+static at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "cpu_gemm.pack: a [N, K] float32 weight");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + NR - 1) / NR;
+  at::Tensor out = at::zeros({panels, K, NR}, wc.options());
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t n = 0; n < std::min<int64_t>(NR, N - p * NR); ++n) {
+        const float* row = wp + (p * NR + n) * K;
+        float* col = op + p * K * NR + n;
+        for (int64_t k = 0; k < K; ++k) col[k * NR] = row[k];
+      }
+  });
+  return out;
+}
+
+// x [M, K] (row-major float32) @ packed [panels, K, NR] -> [M, n] (+ bias [n])
+static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "cpu_gemm: x [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous() && packed.size(1) == x.size(1) &&
+              n > (packed.size(0) - 1) * NR && n <= packed.size(0) * NR,
+              "cpu_gemm: x [M, K] against a weight packed by cpu_gemm.pack with the same K and n columns");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
+  at::Tensor out = at::empty({M, n}, xc.options());
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == n && bc.scalar_type() == at::kFloat, "cpu_gemm: bias [n] float32");
+    bp = bc.data_ptr<float>();
+  }
+  if (M == 0) return out;
+#ifdef DSPARK_GEMM_OK
+  const float* xp = xc.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // threads split the panels: each streams its share of the weight once per call
+  at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t cols = std::min<int64_t>(NR, n - q * NR);
+      const float* panel = pp + q * K * NR;
+      float* oc = op + q * NR;
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min<int64_t>(KC, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += MR)
+          row_tile(std::min<int64_t>(MR, M - m0), xp + m0 * K + k0, K, panel + k0 * NR, kc, oc + m0 * n, n,
+                   k0 == 0, cols);
+      }
+      if (bp)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < cols; ++j) oc[m * n + j] += bp[q * NR + j];
+    }
+  });
+#else
+  TORCH_CHECK(false, "cpu_gemm: built without AVX-512");
+#endif
+  return out;
+}
+
+}  // namespace dspark_gemm
+"""
+
+_OP_SOURCE = r"""
+TORCH_LIBRARY(dspark_gemm, m) {
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("gemm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("supported() -> bool");
+  m.impl("pack", c10::DispatchKey::CPU, &dspark_gemm::pack);
+  m.impl("gemm", c10::DispatchKey::CPU, &dspark_gemm::gemm);
+  m.impl("supported", c10::DispatchKey::CatchAll, &dspark_gemm::supported);
+}
+"""
+
+
+def _check(_) -> str | None:
+    if not torch.ops.dspark_gemm.supported():
+        return "this CPU has no AVX-512"
+    return None
+
+
+_EXTENSION = CpuExtension("dspark_cpu_gemm", lambda: KERNEL_SOURCE + _OP_SOURCE, "products run on F.linear",
+                          check=_check)
+
+
+def available() -> bool:
+    """Build the kernel on first use (``cpu_build``); False without a C++ toolchain or AVX-512
+    (``cpu_linear`` then uses ``F.linear``)."""
+    return _EXTENSION.load() is not None
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ``[n, K]`` weight packed for ``gemm``: ``data [ceil(n / PANEL), K, PANEL]``."""
+
+    data: torch.Tensor
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """Pack an ``nn.Linear``-layout weight ``[n, K]`` (float32, CPU) once for ``gemm``."""
+    return PackedWeight(torch.ops.dspark_gemm.pack(weight.detach()), weight.shape[0])
+
+
+def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias [n])`` -> ``[M, n]`` for a packed ``W`` (``available()`` first).
+
+    Row ``m`` of the result does not depend on the other rows of ``x`` (module docstring); it
+    agrees with ``F.linear`` to float32 rounding."""
+    return torch.ops.dspark_gemm.gemm(x, weight.data, weight.n, bias)
