@@ -68,6 +68,28 @@ def test_greedy_tokens_are_the_same_with_fused_and_pytorch_layers(model_type):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_tokens_logits_are_the_same_bits_alone_and_in_any_batch(model_type):
+    """With packed weights and the fused stack every row is computed alone: a request's cache
+    entries and logits do not depend on which other requests, drafts or prompt chunks share its
+    passes (what makes greedy speculation token-identical to target-only by arithmetic)."""
+    target = make_tiny_target(model_type)
+    g = torch.Generator().manual_seed(6)
+    mine = torch.randint(6, 64, (11,), generator=g).tolist()
+    others = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (30, 4, 17)]
+    alone = TargetRunner(target, max_slots=4, max_context=64, layers="fused")
+    alone.forward([0], [mine], last_logits_only=True)
+    alone.set_length(0, len(mine))
+    solo = alone.forward([0], [[7, 8, 9, 10]]).logits[0]
+    crowd = TargetRunner(target, max_slots=4, max_context=64, layers="fused")
+    crowd.forward([0, 1, 2, 3], [mine] + others, last_logits_only=True)  # one pass, four prompts
+    for s, p in enumerate([mine] + others):
+        crowd.set_length(s, len(p))
+    mixed = crowd.forward_mixed([0, 1, 2, 3], [[7, 8, 9, 10], [11], [12, 13], [14, 15, 16, 17, 18]], 2)[0]
+    assert torch.equal(crowd.k[:, 0, :, :len(mine) + 4], alone.k[:, 0, :, :len(mine) + 4])
+    assert torch.equal(mixed.logits[0], solo)
+
+
 def test_fused_layers_are_refused_with_the_reason_where_they_cannot_run():
     target = make_tiny_target()
     with pytest.raises(ValueError, match="layers='fused': the fused layers need varlen attention"):
