@@ -30,6 +30,7 @@ __all__ = ["available", "supports", "DecoderStack"]
 
 _STACK_SOURCE = r"""
 #include <pybind11/stl.h>
+#include <ATen/record_function.h>
 
 namespace {
 
@@ -117,26 +118,47 @@ class DecoderStack {
     std::vector<at::Tensor> captured;
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& L = layers_[li];
-      at::Tensor x = rms_norm(h, L.norm1, eps_);
-      at::Tensor q = proj(x, L.wq, L.pq, L.bq).view({N, hq_, hd_});
-      at::Tensor k = proj(x, L.wk, L.pk, L.bk).view({N, hkv_, hd_});
-      at::Tensor v = proj(x, L.wv, L.pv, L.bv).view({N, hkv_, hd_});
-      if (L.q_norm.has_value()) {
-        q = rms_norm(q.view({N * hq_, hd_}), *L.q_norm, qk_eps_).view({N, hq_, hd_});
-        k = rms_norm(k.view({N * hkv_, hd_}), *L.k_norm, qk_eps_).view({N, hkv_, hd_});
+      // named scopes: what torch.profiler shows of the stack (free when no profiler runs)
+      at::Tensor x, q, k, v, o;
+      {
+        RECORD_FUNCTION("dspark_stack::norm_qkv", std::vector<c10::IValue>());
+        x = rms_norm(h, L.norm1, eps_);
+        q = proj(x, L.wq, L.pq, L.bq).view({N, hq_, hd_});
+        k = proj(x, L.wk, L.pk, L.bk).view({N, hkv_, hd_});
+        v = proj(x, L.wv, L.pv, L.bv).view({N, hkv_, hd_});
       }
-      rotate(q, c, s);
-      rotate(k, c, s);
       at::Tensor kc = kcache.select(0, li), vc = vcache.select(0, li);
-      kc.view({-1, hd_}).index_copy_(0, dest, k.view({-1, hd_}));
-      vc.view({-1, hd_}).index_copy_(0, dest, v.view({-1, hd_}));
-      at::Tensor o = varlen_attention(q, kc, vc, rows, apos, scale_, limit).view({N, hq_ * hd_});
-      h = proj(o, L.wo, L.po, L.bo).add_(h);
-      x = rms_norm(h, L.norm2, eps_);
-      at::Tensor g = proj(x, L.wg, L.pg, c10::nullopt);
-      at::Tensor u = proj(x, L.wu, L.pu, c10::nullopt);
-      silu_mul(g, u);
-      h = proj(g, L.wd, L.pd, c10::nullopt).add_(h);
+      {
+        RECORD_FUNCTION("dspark_stack::rope_cache_write", std::vector<c10::IValue>());
+        if (L.q_norm.has_value()) {
+          q = rms_norm(q.view({N * hq_, hd_}), *L.q_norm, qk_eps_).view({N, hq_, hd_});
+          k = rms_norm(k.view({N * hkv_, hd_}), *L.k_norm, qk_eps_).view({N, hkv_, hd_});
+        }
+        rotate(q, c, s);
+        rotate(k, c, s);
+        kc.view({-1, hd_}).index_copy_(0, dest, k.view({-1, hd_}));
+        vc.view({-1, hd_}).index_copy_(0, dest, v.view({-1, hd_}));
+      }
+      {
+        RECORD_FUNCTION("dspark_stack::attention", std::vector<c10::IValue>());
+        o = varlen_attention(q, kc, vc, rows, apos, scale_, limit).view({N, hq_ * hd_});
+      }
+      {
+        RECORD_FUNCTION("dspark_stack::o_proj", std::vector<c10::IValue>());
+        h = proj(o, L.wo, L.po, L.bo).add_(h);
+      }
+      at::Tensor g;
+      {
+        RECORD_FUNCTION("dspark_stack::norm_gate_up", std::vector<c10::IValue>());
+        x = rms_norm(h, L.norm2, eps_);
+        g = proj(x, L.wg, L.pg, c10::nullopt);
+        at::Tensor u = proj(x, L.wu, L.pu, c10::nullopt);
+        silu_mul(g, u);
+      }
+      {
+        RECORD_FUNCTION("dspark_stack::down", std::vector<c10::IValue>());
+        h = proj(g, L.wd, L.pd, c10::nullopt).add_(h);
+      }
       if (std::find(capture_.begin(), capture_.end(), static_cast<int64_t>(li)) != capture_.end()) captured.push_back(h);
     }
     return {h, captured};

@@ -178,7 +178,14 @@ def verify_coupled(
     lens = verify_lens.to(device)
     greedy = (temperature <= 0).to(device)
 
-    choice = target_logits.argmax(-1)  # [R, K+1]: greedy rows' choices (sampled rows overwritten)
+    # greedy rows' choices, at positions 0..l only (l + 1 is never emitted; a ragged batch's
+    # padding cells are not read); sampled rows are filled below
+    choice = torch.zeros(R, K + 1, dtype=torch.long, device=device)
+    choice[:, 0] = target_logits[:, 0].argmax(-1)
+    for j in range(1, K + 1):
+        rows = ((lens >= j) & greedy).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            choice[rows, j] = target_logits[rows, j].argmax(-1)
     # sampled rows need the choice at positions 0..l only (l + 1 is never emitted)
     need = (torch.arange(K + 1, device=device).unsqueeze(0) <= lens.unsqueeze(-1)) & ~greedy.unsqueeze(-1)
     if bool(need.any()):
