@@ -159,7 +159,8 @@ class DecoderStack {
         RECORD_FUNCTION("dspark_stack::down", std::vector<c10::IValue>());
         h = proj(g, L.wd, L.pd, c10::nullopt).add_(h);
       }
-      if (std::find(capture_.begin(), capture_.end(), static_cast<int64_t>(li)) != capture_.end()) captured.push_back(h);
+      if (std::find(capture_.begin(), capture_.end(), static_cast<int64_t>(li)) != capture_.end())
+        captured.push_back(h);
     }
     return {h, captured};
   }

@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Device: {device}, torch {torch.__version__}, median of {args.repeats} interleaved calls.", "",
              "| workload | weights MiB | rows | F.linear ms | kernel ms | speed-up | max abs diff | `linear()` uses |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['workload']} | {r['weights_mb']:.0f} | {r['rows']} | {r['f_linear_ms']:.2f} | {r['kernel_ms']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['linear_uses']} |" for r in records]
+    lines += [f"| {r['workload']} | {r['weights_mb']:.0f} | {r['rows']} | {r['f_linear_ms']:.2f} | "
+              f"{r['kernel_ms']:.2f} | {r['speedup']:.2f}x | {r['max_abs_diff']:.1e} | {r['linear_uses']} |"
+              for r in records]
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -67,7 +67,8 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         for attention in args.attention.split(","):
             ms, table = profile_step(target, prompts, rows, attention, args.steps, args.top, args.layers)
-            head = f"### {rows} row(s), attention={attention}, layers={args.layers}: {ms:.1f} ms per step ({rows / ms * 1000:.1f} tokens/s)"
+            head = (f"### {rows} row(s), attention={attention}, layers={args.layers}: {ms:.1f} ms per step "
+                    f"({rows / ms * 1000:.1f} tokens/s)")
             print(head, table, sep="\n", flush=True)
             lines += [head, "", "```", table.strip(), "```", ""]
     if args.out:

@@ -122,7 +122,8 @@ static at::Tensor pack(const at::Tensor& w) {
 }
 
 // x [M, K] (row-major float32) @ packed [panels, K, NR] -> [M, n] (+ bias [n])
-static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "cpu_gemm: x [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous() && packed.size(1) == x.size(1) &&
               n > (packed.size(0) - 1) * NR && n <= packed.size(0) * NR,

@@ -110,3 +110,19 @@ def test_real_target_greedy_tokens_are_the_same_with_fused_and_pytorch_layers(sm
         engine = SpecEngine(smollm2, None, EngineConfig(mode="target_only", max_batch=2, layers=layers))
         outs.append(run_to_completion(engine, jobs))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+def test_real_target_logits_are_the_same_bits_alone_and_in_a_batch(smollm2):
+    prompts = [smollm2.chat_prompt_ids(t) for t in ("What is 17 * 23?", "Write a haiku about the sea.",
+                                                     "List three prime numbers.")]
+    alone = TargetRunner(smollm2, max_slots=3, max_context=256, layers="fused")
+    alone.forward([0], prompts[:1], last_logits_only=True)
+    alone.set_length(0, len(prompts[0]))
+    solo = alone.forward([0], [[1, 2, 3, 4]]).logits[0]
+    crowd = TargetRunner(smollm2, max_slots=3, max_context=256, layers="fused")
+    crowd.forward([0, 1, 2], prompts, last_logits_only=True)
+    for s, p in enumerate(prompts):
+        crowd.set_length(s, len(p))
+    both = crowd.forward([0, 1, 2], [[1, 2, 3, 4], [5], [6, 7]]).logits[0]
+    assert torch.equal(both, solo)

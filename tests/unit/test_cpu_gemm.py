@@ -25,7 +25,8 @@ def test_agrees_with_f_linear(rows, n, k):
 def test_a_row_is_the_same_bits_in_any_batch(n, k):
     """800 and 1537 span several k blocks: the partial sums carried between them are exact."""
     g = torch.Generator().manual_seed(n + k)
-    x, w, b = torch.randn(80, k, generator=g), cpu_gemm.pack(torch.randn(n, k, generator=g)), torch.randn(n, generator=g)
+    x, b = torch.randn(80, k, generator=g), torch.randn(n, generator=g)
+    w = cpu_gemm.pack(torch.randn(n, k, generator=g))
     alone = torch.cat([cpu_gemm.gemm(x[i:i + 1], w, b) for i in range(80)])
     for rows in (2, 3, 4, 5, 6, 7, 8, 11, 16, 33, 64, 80):  # every tile shape and position
         for start in (0, 80 - rows):
