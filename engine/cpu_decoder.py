@@ -253,9 +253,9 @@ class DecoderStack:
                     raise ValueError("DecoderStack: the target's weights must be contiguous")
         first = target.layers[0]
         qk_eps = _norm_eps(first.self_attn.q_norm) if hasattr(first.self_attn, "q_norm") else 0.0
-        self.scale = float(first.self_attn.scaling)
+        # the packing choice is made here, once: DSPARK_CPU_LINEAR set later does not change a built stack
         self._stack = _EXTENSION.load().DecoderStack(layers, _norm_eps(first.input_layernorm), qk_eps, n_heads, n_kv,
-                                                  head_dim, self.scale, list(capture),
+                                                  head_dim, float(first.self_attn.scaling), list(capture),
                                                   cpu_linear.mode() == "kernel")
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

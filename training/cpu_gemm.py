@@ -204,10 +204,6 @@ class PackedWeight:
     data: torch.Tensor
     n: int
 
-    @property
-    def k(self) -> int:
-        return self.data.shape[1]
-
 
 def pack(weight: torch.Tensor) -> PackedWeight:
     """Pack an ``nn.Linear``-layout weight ``[n, K]`` (float32, CPU) once for ``gemm``."""

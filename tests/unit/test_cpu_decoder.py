@@ -34,7 +34,7 @@ def _forwards(target, layers: str):
     pre = r.forward([2, 0, 3], prompts)
     for s, p in zip((2, 0, 3), prompts):
         r.set_length(s, len(p))
-    step = r.forward([0, 1, 2, 3][:3], [[7, 8, 9], [10], [11, 12, 13, 14]])
+    step = r.forward([0, 1, 2], [[7, 8, 9], [10], [11, 12, 13, 14]])
     return r, pre, step
 
 
