@@ -33,6 +33,7 @@ how many of them were verified. ``auto`` gives the coupled rule to requests that
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -154,6 +155,7 @@ class SpecEngine:
                            suffix=self.cfg.suffix) for n in names]
         self.neural: NeuralProposer | None = next((p for p in self.proposers if isinstance(p, NeuralProposer)), None)
         self.suffix: SuffixProposer | None = next((p for p in self.proposers if isinstance(p, SuffixProposer)), None)
+        self._by_name = {p.name: p for p in self.proposers}
         self.K = max(p.max_drafts for p in self.proposers)
         self.need_features = any(p.needs_features for p in self.proposers)
         self._use_static_steps()
@@ -389,7 +391,7 @@ class SpecEngine:
         batch = DraftBatch.empty(n, 0, source="none")
         lens = torch.zeros(n, dtype=torch.long)
         temps = torch.tensor([r.params.temperature for r in reqs])
-        res = self._verify(reqs, batch, logits.float().unsqueeze(1), lens, temps, coupled_only=True)
+        res = self._verify(reqs, batch, logits, lens, temps, coupled_only=True)
         return res.output_tokens[:, 0].tolist()
 
     def _commit_to_proposers(self, slot: int, tokens: list[int], aux_host: torch.Tensor | None = None,
@@ -467,7 +469,12 @@ class SpecEngine:
         neural = None
         if rows:
             sub = [reqs[i] for i in rows]
-            neural = _scatter(self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub)), rows, R)
+            proposal = self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub))
+            if not any(_by_rejection(r) for r in reqs):
+                # only rejection sampling reads draft distributions; [R, K, V] of them, scattered and
+                # combined for 64 rows over a 49k vocabulary, is ~90 MB of memory traffic per step
+                proposal = dataclasses.replace(proposal, probs=None)
+            neural = _scatter(proposal, rows, R)
             for r in sub:
                 r.last_drafted = self.stats.decode_steps
         if suffix is None and neural is None:
@@ -478,7 +485,7 @@ class SpecEngine:
             return suffix
         drafted = torch.zeros(R, dtype=torch.bool)
         drafted[rows] = True
-        free = torch.tensor([r.coupled or r.params.temperature == 0 for r in reqs], dtype=torch.bool)
+        free = torch.tensor([not _by_rejection(r) for r in reqs], dtype=torch.bool)
         suffix_wins = suffix.expected_accepts() > neural.expected_accepts()
         use_neural = drafted & ~(free & suffix_wins)
         return DraftBatch.combine([suffix, neural], use_neural.long(), self.target.vocab_size)
@@ -507,10 +514,7 @@ class SpecEngine:
                                                          need_features=self.need_features)
         else:
             out, prefill_out = self.runner.forward(slots, toks, need_features=self.need_features), None
-        target_logits = out.logits[:, : L + 1].float()
-        if target_logits.shape[1] < L + 1:
-            target_logits = torch.nn.functional.pad(target_logits, (0, 0, 0, L + 1 - target_logits.shape[1]))
-        return self._verify(reqs, batch, target_logits, lens, temps), out, L, prefill_out
+        return self._verify(reqs, batch, out.token_logits, lens, temps), out, L, prefill_out
 
     def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out, L: int) -> None:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
@@ -525,7 +529,8 @@ class SpecEngine:
             self.suffix_gate.observe(len(self._suffix_looked), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         emitted = res.output_tokens.cpu()
         aux_host = out.aux[:, : L + 1].float().cpu() if self.need_features else None  # one copy, one sync
-        conf = batch.conf_logits.cpu() if self.cfg.record_rounds and batch.conf_logits is not None else None
+        conf_logits = batch.conf_logits.cpu() if batch.conf_logits is not None else None
+        conf = conf_logits if self.cfg.record_rounds else None
         self.stats.decode_steps += 1
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
@@ -537,6 +542,8 @@ class SpecEngine:
             r.accepted += n
             source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"
             self.stats.record_round(source, l_, n)
+            if l_ > 0 and conf_logits is not None and source in self._by_name:
+                self._by_name[source].observe(conf_logits[i, :l_].tolist(), l_, n)
             if self.cfg.record_rounds:
                 has_conf = conf is not None and int(batch.lens[i]) > 0
                 self.rounds.append(RoundRecord(r.rid, l_, n, conf[i].tolist() if has_conf else None))
@@ -545,41 +552,48 @@ class SpecEngine:
             self._emit(r, new)
         self._settle(reqs)
 
-    def _verify(self, reqs: list[_Request], batch: DraftBatch, target_logits: torch.Tensor, lens: torch.Tensor,
+    def _verify(self, reqs: list[_Request], batch: DraftBatch, token_logits: torch.Tensor, lens: torch.Tensor,
                 temps: torch.Tensor, coupled_only: bool = False) -> verify_ref.VerifyResult:
-        """Verify every row by its request's rule: coupled rows (and greedy ones, the same under
-        both rules) in one call, rejection-sampled rows in another; results merged in row order.
-        ``coupled_only``: every row by the coupled rule (the first token)."""
+        """Verify every row by its request's rule, on the target's logits of the verified tokens
+        packed row after row (``token_logits [sum(lens + 1), V]``, as the ragged pass computed
+        them): coupled rows (and greedy ones, the same under both rules) in one call on the
+        packed logits, rejection-sampled rows in another on their padded grid; results merged in
+        row order. ``coupled_only``: every row by the coupled rule (the first token)."""
         R = len(reqs)
-        L = target_logits.shape[1] - 1
+        L = int(lens.max()) if R else 0
         drafts = batch.tokens[:, :L].cpu()
-        dev = target_logits.device
+        dev = token_logits.device
         top_k = torch.tensor([r.params.top_k for r in reqs])
         top_p = torch.tensor([r.params.top_p for r in reqs])
         seed = torch.tensor([r.seed for r in reqs])
-        by_rejection = torch.tensor([not coupled_only and not r.coupled and r.params.temperature > 0 for r in reqs],
-                                    dtype=torch.bool)
+        by_rejection = torch.tensor([not coupled_only and _by_rejection(r) for r in reqs], dtype=torch.bool)
         n_rej = int(by_rejection.sum())
         position = torch.tensor([_next_position(r) for r in reqs])
         offset = torch.tensor([r.steps for r in reqs])
+        cells = torch.repeat_interleave(torch.arange(R), lens + 1)  # the row of each packed logits row
 
         def rows_of(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
             return t if sel is None else t[sel.to(t.device)]
 
         def run_coupled(sel: torch.Tensor | None):
-            return coupled.verify_coupled(
-                rows_of(drafts, sel).to(dev), rows_of(target_logits, sel), rows_of(lens, sel).to(dev),
+            logits = token_logits if sel is None else token_logits[sel[cells].to(dev)]
+            return coupled.verify_coupled_packed(
+                rows_of(drafts, sel).to(dev), logits.float(), rows_of(lens, sel).to(dev),
                 rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel), top_p=rows_of(top_p, sel),
                 seed=rows_of(seed, sel), position=rows_of(position, sel))
 
         def run_rejection(sel: torch.Tensor | None):
+            sub_lens = rows_of(lens, sel)
+            logits = token_logits if sel is None else token_logits[sel[cells].to(dev)]
+            cu = torch.zeros(len(sub_lens) + 1, dtype=torch.long)
+            cu[1:] = torch.cumsum(sub_lens + 1, 0)
+            grid = verify_ref.unpack_ragged(logits.float(), cu.to(dev), L + 1)  # [n, L+1, V]
             # a point-mass proposal is a one-hot draft distribution (engine/proposers/base.py)
-            draft_probs = batch.verify_probs(target_logits.shape[-1], L).to(dev)
+            draft_probs = batch.verify_probs(token_logits.shape[-1], L).to(dev)
             return self.verify(
-                rows_of(drafts, sel).to(dev), rows_of(draft_probs, sel),
-                rows_of(target_logits, sel), rows_of(lens, sel).to(dev), rows_of(temps, sel).to(dev),
-                top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev), seed=rows_of(seed, sel),
-                offset=rows_of(offset, sel))
+                rows_of(drafts, sel).to(dev), rows_of(draft_probs, sel), grid, sub_lens.to(dev),
+                rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel).to(dev), top_p=rows_of(top_p, sel).to(dev),
+                seed=rows_of(seed, sel), offset=rows_of(offset, sel))
         if n_rej == 0:
             return run_coupled(None)
         if n_rej == R:
@@ -737,6 +751,11 @@ TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
 def _is_coupled(rule: str, seeded: bool) -> bool:
     """Whether a request is verified by the coupled rule under ``EngineConfig.sampling_rule``."""
     return rule == "coupled" or (rule == "auto" and seeded)
+
+
+def _by_rejection(r: _Request) -> bool:
+    """Whether a request's drafts are verified by rejection sampling (else the coupled rule, or greedy)."""
+    return not r.coupled and r.params.temperature > 0
 
 
 def _next_position(r: _Request) -> int:

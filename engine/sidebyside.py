@@ -16,7 +16,9 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
   and with ``prompt_lookup_num_tokens`` (static batches; prompt lookup one request at a time);
 - ``vllm_target_only`` / ``vllm_ngram``: vLLM fp32 (optional: where ``import vllm`` works).
 
-Every run of a system starts a fresh engine (our suffix index, vLLM's caches start empty), and
+Every run of a system starts a fresh engine (vLLM's caches start empty; our shared suffix index
+starts empty, or with ``--history N``: holding the outputs of N earlier requests on prompts that
+no level uses, the steady state of a server that has served them), and
 every system runs in its own process, ``--rounds`` rounds in rotating order. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
@@ -61,6 +63,7 @@ NEEDS_DRAFTER = ("ours_spec", "ours_hybrid")
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 HF_LOOKUP_TOKENS = 3  # transformers' prompt lookup drafts (the same K as our suffix proposer's default)
 SEED_BASE = 1000  # request i of a level samples with seed SEED_BASE + i, in every system
+HISTORY_SEED_BASE = 900_000  # the history's request i samples with this + i (no level's seed)
 
 
 # -- workload -----------------------------------------------------------------------------------------
@@ -126,6 +129,12 @@ def level_prompts(prompts: Sequence[Prompt], level: Level) -> list[Prompt]:
         raise ValueError(f"batch {level.batch} needs {level.requests} distinct prompts, the eval sets gave "
                          f"{len({p.ids for p in prompts})}: raise --prompts-per-task or lower --requests-per-slot")
     return chosen
+
+
+def history_prompts(prompts_per_task: int, n: int, data_root: str | None = None) -> list[Prompt]:
+    """``n`` prompts no level uses: each eval set's prompts after its first ``prompts_per_task``, interleaved."""
+    extra = -(-n // len(TASKS))
+    return [p for p in load_prompts(prompts_per_task + extra, data_root) if p.index >= prompts_per_task][:n]
 
 
 # -- recording and driving -------------------------------------------------------------------------------
@@ -307,8 +316,36 @@ def _engine_dir_parts(engine_dir: str | None, target, with_drafter: bool = True)
     return drafter, sps, sts
 
 
+def worker_history(spec: dict, temperatures: Sequence[float]) -> dict[str, list[list[int]]]:
+    """The outputs of ``spec["history"]`` earlier requests (``history_prompts``) at each temperature, from
+    our target-only engine with all of them in flight: what the shared suffix index of a server holds
+    after serving them. Keyed by ``f"{temperature:g}"``; sampled requests carry seeds no level uses."""
+    from dspark.training.config import load_target_profile
+    from dspark.training.target import load_target
+
+    from . import threads
+    from .api import SamplingParams
+    from .runtime import EngineConfig, SpecEngine
+
+    threads.configure(spec["threads"])
+    prompts = history_prompts(spec["prompts_per_task"], spec["history"], spec.get("data_root"))
+    target = load_target(load_target_profile("smollm2-135m"), device="cpu")
+    eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=len(prompts), threads=spec["threads"]))
+    out = {}
+    for t in temperatures:
+        texts: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_tokens=spec["history_tokens"], temperature=t,
+                                    seed=HISTORY_SEED_BASE + i if t > 0 else None)
+            eng.submit(str(i), list(p.ids), params, lambda o: texts.setdefault(o.request_id, []).extend(o.new_token_ids))
+        eng.run_until_done()
+        out[f"{t:g}"] = [texts[str(i)] for i in range(len(prompts))]
+    return out
+
+
 def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
-    """Our engine: a fresh engine per level, an untimed warm-up on a prompt of its own first."""
+    """Our engine: a fresh engine per level, an untimed warm-up on a prompt of its own first; the
+    suffix rows' shared index then holds the history's outputs at the level's temperature, if any."""
     from dspark.training.config import load_target_profile
     from dspark.training.target import load_target
 
@@ -327,6 +364,7 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
         sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
     base = EngineConfig(mode="spec", threads=spec["threads"], static_steps=spec["static_steps"],
                         suffix=SuffixConfig(max_drafts=spec["suffix_max_drafts"], scope=spec["suffix_scope"]))
+    history = json.loads(Path(spec["history_path"]).read_text()) if spec.get("history_path") else {}
     results = []
     eng = None
     for lv, prompts in work:
@@ -356,8 +394,10 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
         # warm-up (lazy inits, allocator) on a prompt no request has; the suffix index forgets it
         warm = Prompt("warmup", -1, tuple(reversed(prompts[0].ids)))
         run([warm], 4, "warmup", Recorder())
-        if eng.suffix is not None:
+        if eng.suffix is not None and eng.suffix.shared is not None:
             eng.suffix.clear_shared()
+            for toks in history.get(f"{lv.temperature:g}", []):
+                eng.suffix.add_shared(toks)
         probe = EngineProbe(eng)
         rec = Recorder()
         rids, secs = run(prompts, None, lv.key, rec)
@@ -522,6 +562,9 @@ def worker_vllm(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
 def worker_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     system = spec["system"]
+    if system == "history":
+        Path(out_path).write_text(json.dumps(worker_history(spec, spec["temperatures"])))
+        return
     prompts = load_prompts(spec["prompts_per_task"], spec.get("data_root"))
     work = [(lv, level_prompts(prompts, lv)) for lv in (Level(**d) for d in spec["levels"])]
     if system.startswith("vllm"):
@@ -581,6 +624,10 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--sps", default=None, help="SPS table for our scheduled rows (overrides the engine directory's)")
     ap.add_argument("--suffix-max-drafts", type=int, default=3)
     ap.add_argument("--suffix-scope", default="shared", help="shared | request")
+    ap.add_argument("--history", type=int, default=0,
+                    help="earlier requests whose outputs the shared suffix index holds when a level starts (prompts "
+                         "no level uses; 0: every level starts with an empty index)")
+    ap.add_argument("--history-tokens", type=int, default=128, help="new tokens of each --history request")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument("--vllm-memory", type=float, default=0.3)
     ap.add_argument("--out-dir", default="docs/benchmarks")
@@ -626,6 +673,18 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     raw: dict[str, list[dict]] = {s: [] for s in systems}
     tmp = out_dir / f".{args.name}.worker"
     command = command or " ".join(["python -m dspark.engine.sidebyside", *(argv if argv is not None else sys.argv[1:])])
+    history_path = None
+    if args.history > 0 and any(s in ("ours_suffix", "ours_hybrid") for s in systems):
+        history_path = f"{tmp}.history.json"
+        spec = {"system": "history", "history": args.history, "history_tokens": args.history_tokens,
+                "temperatures": sorted({lv.temperature for lv in levels}),
+                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads")}}
+        Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
+                        history_path], check=True)
+        print(f"history: {args.history} requests x {args.history_tokens} tokens per temperature "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
     report = None
     for rnd in range(args.rounds):
         k = rnd % len(systems)
@@ -635,7 +694,8 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
             spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in levels_for(system, levels)],
                     **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
                                                          "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
-                                                         "vllm_kv_gib", "vllm_memory")}}
+                                                         "vllm_kv_gib", "vllm_memory")},
+                    "history_path": history_path}
             Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
             t = time.perf_counter()
             subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
@@ -649,7 +709,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
             # the report so far after every run: a run cut short still leaves its finished rounds
             report = _report({s: r for s, r in raw.items() if r}, args, systems, notes, command)
             write_report(report, out_dir, args.name)
-    for suffix in (".spec.json", ".out.json"):
+    for suffix in (".spec.json", ".out.json", ".history.json"):
         Path(f"{tmp}{suffix}").unlink(missing_ok=True)
     print((out_dir / f"{args.name}.md").read_text())
     return report
@@ -671,6 +731,7 @@ def _report(raw: dict[str, list[dict]], args, systems: list[str], notes: list[st
             "notes": notes, "systems_info": {s: r[0]["info"] for s, r in raw.items()},
             "settings": {"engine_dir": args.engine_dir, "sps": args.sps, "suffix_max_drafts": args.suffix_max_drafts,
                          "suffix_scope": args.suffix_scope, "prompts_per_task": args.prompts_per_task,
+                         "history": args.history, "history_tokens": args.history_tokens,
                          "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_ngram": VLLM_NGRAM},
             "results": results, "task_results": task_results}
 

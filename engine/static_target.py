@@ -181,7 +181,8 @@ class StaticTarget:
         out = run()
         self.replays += 1
         # views of the graph's output buffers: valid until the next replay (the next step)
-        return RaggedOutput(logits=out.logits[:R, :Q], aux=out.aux[:R, :Q], last=out.last[:R, :Q])
+        return RaggedOutput(logits=out.logits[:R, :Q], aux=out.aux[:R, :Q], last=out.last[:R, :Q],
+                            q_lens=torch.tensor([len(t) for t in tokens]))
 
     def _prefill(self, slots: list[int], tokens: list[list[int]]) -> RaggedOutput | None:
         """Prefill chunks through the one-row buckets, one replay per request; None when a

@@ -21,8 +21,6 @@ modules; only caching and masking are ours.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -36,11 +34,42 @@ ATTENTION_MODES = ("auto", "varlen", "sdpa")
 LAYER_MODES = ("auto", "fused", "torch")
 
 
-@dataclass
 class RaggedOutput:
-    logits: torch.Tensor  # [R, Q, V] (rows past q_lens[r] are padding)
-    aux: torch.Tensor  # [R, Q, m*d] drafter features of the new tokens
-    last: torch.Tensor  # [R, Q, d] final hidden state (after the final norm)
+    """A ragged step's output for R rows of ``q_lens[r]`` new tokens each (Q the longest).
+
+    ``aux [R, Q, m*d]`` (drafter features) and ``last [R, Q, d]`` (final hidden states, after
+    the final norm) are grids whose cells past a row's length are padding. The logits are
+    held as the step computed them: packed ``[N, V]`` (the real tokens, row after row) or as
+    a grid ``[R, Q, V]``; ``token_logits`` and ``logits`` give either view, converting on
+    first use. Verification reads the packed view: a padded logits grid of 64 rows over a
+    49k vocabulary is some 50 MB to zero and fill that no rule reads."""
+
+    def __init__(self, aux: torch.Tensor, last: torch.Tensor, *, logits: torch.Tensor | None = None,
+                 token_logits: torch.Tensor | None = None, q_lens: torch.Tensor | None = None):
+        if (logits is None) == (token_logits is None):
+            raise ValueError("give the logits either as a grid or packed")
+        if token_logits is not None and q_lens is None:
+            raise ValueError("packed logits need the rows' lengths (q_lens)")
+        self.aux, self.last = aux, last
+        self._grid_logits, self._token_logits = logits, token_logits
+        self.q_lens = q_lens
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[R, Q, V]; cells past a row's length are zeros (or, from a fixed-shape step, padding)."""
+        if self._grid_logits is None:
+            self._grid_logits = _Grid.of(self.q_lens, self.aux.shape[1], self._token_logits.device) \
+                .unpack(self._token_logits)
+        return self._grid_logits
+
+    @property
+    def token_logits(self) -> torch.Tensor:
+        """[N, V]: row r's ``q_lens[r]`` tokens, then row r+1's (all Q per row without ``q_lens``)."""
+        if self._token_logits is None:
+            R, Q = self._grid_logits.shape[:2]
+            q_lens = self.q_lens if self.q_lens is not None else torch.full((R,), Q)
+            self._token_logits = _Grid.of(q_lens, Q, self._grid_logits.device).pack(self._grid_logits)
+        return self._token_logits
 
 
 class TargetRunner:
@@ -169,7 +198,7 @@ class TargetRunner:
         grid = _Grid(R, Q, None if bool(q_valid.all()) else q_valid.to(self.device))
         last, aux = self._stack(ids, wpos.to(self.device), mask, rows, wpos, grid, total, need_features, gather)
         if full_rows == R:
-            return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
+            return RaggedOutput(token_logits=self.target.logits_from_last(last), q_lens=q_lens, aux=grid.unpack(aux),
                                 last=grid.unpack(last)), None
         # packed order is row-major: the full rows' tokens come first
         n_full = int(q_lens[:full_rows].sum())
@@ -182,7 +211,7 @@ class TargetRunner:
         if full_rows == 0:
             return None, tail
         head = _Grid(full_rows, int(q_lens[:full_rows].max()), None).sub(q_lens[:full_rows], self.device)
-        return RaggedOutput(logits=head.unpack(logits[:n_full]), aux=head.unpack(aux[:n_full]),
+        return RaggedOutput(token_logits=logits[:n_full], q_lens=q_lens[:full_rows], aux=head.unpack(aux[:n_full]),
                             last=head.unpack(last[:n_full])), tail
 
     def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None, apos=None):
@@ -287,6 +316,11 @@ class _Grid:
         out = x.new_zeros(self.rows, self.width, *x.shape[1:])
         out[self.valid] = x
         return out
+
+    @classmethod
+    def of(cls, q_lens: torch.Tensor, width: int, device: torch.device) -> "_Grid":
+        """The grid of rows of ``q_lens`` tokens each, ``width`` wide."""
+        return cls(len(q_lens), width, None).sub(q_lens, device)
 
     def sub(self, q_lens: torch.Tensor, device: torch.device) -> "_Grid":
         """This grid's shape for rows of ``q_lens`` tokens each (valid None when all are full)."""

@@ -42,7 +42,7 @@ import torch
 
 from .reference import VerifyResult, check_verify_shapes, process_logits
 
-__all__ = ["RaceNoise", "race_noise", "race_sample", "round_key", "verify_coupled"]
+__all__ = ["RaceNoise", "race_noise", "race_sample", "round_key", "verify_coupled", "verify_coupled_packed"]
 
 _M32 = 0xFFFFFFFF
 # multipliers of a 32-bit xor-shift-multiply mixer (as int32: the second exceeds 2^31)
@@ -166,35 +166,62 @@ def verify_coupled(
 
     Same shapes, terms and result as ``reference.verify``, without draft probabilities (the
     rule never reads them). Greedy rows are identical under both rules. A draft outside
-    ``[0, V)`` never equals a choice, so it is rejected.
+    ``[0, V)`` never equals a choice, so it is rejected. Only the cells ``j <= l[r]`` are
+    read (``l + 1`` is never emitted; a ragged batch's padding is not looked at).
 
     Example (greedy, K=2, V=3): drafts [[2, 1]], target argmaxes [2, 0, 1], l=[2] ->
     num_accepted [1], output_tokens [[2, 0, -1]].
     """
-    R, K, V = check_verify_shapes(draft_tokens, target_logits, verify_lens)
-    device = target_logits.device
+    R, K, _ = check_verify_shapes(draft_tokens, target_logits, verify_lens)
+    lens = verify_lens.to(target_logits.device)
+    cells = torch.arange(K + 1, device=target_logits.device).unsqueeze(0) <= lens.unsqueeze(-1)
+    return verify_coupled_packed(draft_tokens, target_logits[cells], verify_lens, temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, position=position)
+
+
+def verify_coupled_packed(
+    draft_tokens: torch.Tensor,  # [R, K] int64
+    token_logits: torch.Tensor,  # [sum(l + 1), V] float: row r's logits at positions 0..l[r], row after row
+    verify_lens: torch.Tensor,  # [R] int64 in [0, K]
+    temperature: torch.Tensor,  # [R] float, 0 = greedy
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    position: torch.Tensor | None = None,
+) -> VerifyResult:
+    """``verify_coupled`` on the logits of the verified cells alone, packed as the target
+    computed them for the ragged rows ``[anchor, x_0 .. x_{l-1}]``: no padded grid is built.
+    Greedy rows take one argmax per cell; sampled rows process and race-sample theirs."""
+    R, K = draft_tokens.shape
+    device = token_logits.device
+    lens = verify_lens.long().to(device)
+    if lens.shape != (R,) or bool(((lens < 0) | (lens > K)).any()):
+        raise ValueError(f"verify_lens must be [R]={R} with entries in [0, {K}]")
+    counts = lens + 1
+    N = int(counts.sum())
+    if token_logits.dim() != 2 or token_logits.shape[0] != N:
+        raise ValueError(f"token_logits must be [sum(l + 1), V] = [{N}, V], got {tuple(token_logits.shape)}")
     seed = torch.zeros(R, dtype=torch.long) if seed is None else seed
     position = torch.zeros(R, dtype=torch.long) if position is None else position
-    lens = verify_lens.to(device)
-    greedy = (temperature <= 0).to(device)
-
-    # greedy rows' choices, at positions 0..l only (l + 1 is never emitted; a ragged batch's
-    # padding cells are not read); sampled rows are filled below
+    row = torch.repeat_interleave(torch.arange(R, device=device), counts)  # [N]: each cell's row
+    col = torch.arange(N, device=device) - (torch.cumsum(counts, 0) - counts)[row]  # its position j
+    greedy = (temperature <= 0).to(device)[row]
+    flat = torch.empty(N, dtype=torch.long, device=device)
+    if bool(greedy.all()):
+        flat = token_logits.argmax(-1)
+    else:
+        g = greedy.nonzero(as_tuple=True)[0]
+        if g.numel():
+            flat[g] = token_logits[g].argmax(-1)
+        s = (~greedy).nonzero(as_tuple=True)[0]
+        r_s = row[s]
+        r_cpu = r_s.cpu()
+        p = process_logits(token_logits[s], temperature.to(device)[r_s],
+                           None if top_k is None else top_k.to(device)[r_s],
+                           None if top_p is None else top_p.to(device)[r_s])
+        flat[s] = race_sample(p, seed.cpu()[r_cpu], position.cpu()[r_cpu] + col[s].cpu())
     choice = torch.zeros(R, K + 1, dtype=torch.long, device=device)
-    choice[:, 0] = target_logits[:, 0].argmax(-1)
-    for j in range(1, K + 1):
-        rows = ((lens >= j) & greedy).nonzero(as_tuple=True)[0]
-        if rows.numel():
-            choice[rows, j] = target_logits[rows, j].argmax(-1)
-    # sampled rows need the choice at positions 0..l only (l + 1 is never emitted)
-    need = (torch.arange(K + 1, device=device).unsqueeze(0) <= lens.unsqueeze(-1)) & ~greedy.unsqueeze(-1)
-    if bool(need.any()):
-        r_idx, j_idx = need.nonzero(as_tuple=True)
-        r_cpu = r_idx.cpu()
-        p = process_logits(target_logits[r_idx, j_idx], temperature.to(device)[r_idx],
-                           None if top_k is None else top_k.to(device)[r_idx],
-                           None if top_p is None else top_p.to(device)[r_idx])
-        choice[r_idx, j_idx] = race_sample(p, seed.cpu()[r_cpu], position.cpu()[r_cpu] + j_idx.cpu())
+    choice[row, col] = flat
 
     x = draft_tokens.to(device)
     in_range = torch.arange(K, device=device).unsqueeze(0) < lens.unsqueeze(-1)

@@ -244,21 +244,23 @@ def schedule_prefix(
     valid = (flat > 0) & (j_idx < cap[r_idx])
     # stable sort on (-a, r, j): flatten order is already (r, j) ascending
     order = torch.sort(-flat[valid], stable=True).indices
-    cand_r, cand_j, cand_a = r_idx[valid][order], j_idx[valid][order], flat[valid][order]
+    cand_r, cand_a = r_idx[valid][order], flat[valid][order]
     cand_q = torch.round(cand_a * TAU_GRID) / TAU_GRID  # exact-sum grid for tau
     batch, tau = R, float(R)
-    best = tau * float(sps[batch])
-    current = lens.clone()
-    for r, j, ar in zip(cand_r.tolist(), cand_j.tolist(), cand_q.tolist()):
+    sps_l = sps.tolist()
+    best = tau * sps_l[batch]
+    admitted = 0  # the best choice admits the first ``admitted`` candidates
+    for i, ar in enumerate(cand_q.tolist()):
         batch += 1
         tau += ar
-        current[r] = j + 1
-        theta = tau * float(sps[batch]) if batch <= n_max else float("-inf")
+        theta = tau * sps_l[batch] if batch <= n_max else float("-inf")
         if theta > best:
             best = theta
-            lens = current.clone()
+            admitted = i + 1
         elif early_stop or batch > n_max:
             break
+    # a request's candidates come in order of j, so its verify length is how many were admitted
+    lens = torch.bincount(cand_r[:admitted], minlength=R)
     return lens.to(confidence.device)
 
 

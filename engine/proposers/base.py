@@ -205,6 +205,11 @@ class Proposer(ABC):
     def settle(self, slots: Sequence[int]) -> None:
         """End of an engine phase for ``slots`` (their tokens went out); default: nothing deferred."""
 
+    def observe(self, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
+        """One of this proposer's rounds was verified: the raw confidence logits of its drafts,
+        how many of them were verified and how many accepted (for online calibration); default:
+        nothing learnt."""
+
     @abstractmethod
     def cost(self) -> ProposerCost:
         """Seconds of work per drafted step (for the drafting gate and the scheduler)."""

@@ -18,14 +18,20 @@ last ``max_depth`` tokens when the shared index changed (an output added or evic
 Confidence of draft j: its empirical continuation probability ``n_c / n`` (``n_c`` times
 the chosen token followed the context, ``n`` times anything did), smoothed by half a count
 on each side so that a continuation seen once is not a certainty: the raw logit is
-``log((n_c + 1/2) / (n - n_c + 1/2))``, and the calibrated confidence ``sigmoid(z / T_j)``
-with per-position STS temperatures ``T_j`` (``engine/sts.py``: ``fit_sts`` on replayed
-rounds; ``scripts/replay_suffix.py`` fits them). Of the two candidates (own, shared) the
-one with more expected accepted drafts (sum of cumulative confidences) is proposed.
+``log((n_c + 1/2) / (n - n_c + 1/2))``. How often such a draft survives verification is
+another matter (a continuation seen twice in a text that repeats itself is not a 0.83
+chance), so the proposer calibrates: with per-position STS temperatures ``T_j`` given
+(``engine/sts.py``: ``fit_sts`` on replayed rounds; ``scripts/replay_suffix.py`` fits them)
+the confidence is ``sigmoid(z / T_j)``; without them, online (``OnlineCalibration``): the
+observed survival rate of this engine's verified drafts at the same position and raw-logit
+bin, shrunk towards ``sigmoid(z)`` while there are few. Of the two candidates (own, shared)
+the one with more expected accepted drafts (sum of cumulative confidences) is proposed.
 
 Drafts are point masses (``DraftBatch.probs`` is None): the proposal is a deterministic
 function of the committed tokens, so verification with a one-hot draft distribution is
-exact at any temperature (``base.py``).
+exact at any temperature (``base.py``). The online calibration only moves confidences, from
+rounds already verified: a function of the committed history too, so it never makes a draft
+decide its own verification (docs/runtime.md "Proposers and hybrid drafting").
 
 Scopes, for multi-tenant servers: ``"shared"`` lets a request draft from other requests'
 outputs (the output is still exactly the target's, but how fast it comes depends on what
@@ -33,6 +39,7 @@ other requests generated); ``"request"`` keeps every request to its own prompt a
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,7 +50,7 @@ import torch
 from .base import DraftBatch, Proposer, ProposerCost
 from .suffix_index import ROOT, SuffixIndex
 
-__all__ = ["SuffixConfig", "SuffixProposer", "continuation_logit", "SCOPES"]
+__all__ = ["SuffixConfig", "SuffixProposer", "OnlineCalibration", "continuation_logit", "SCOPES"]
 
 SCOPES = ("shared", "request")
 
@@ -78,6 +85,41 @@ class SuffixConfig:
 def continuation_logit(chosen: int, total: int) -> float:
     """Raw confidence logit of a continuation seen ``chosen`` of ``total`` times (half-count smoothing)."""
     return math.log((chosen + 0.5) / (total - chosen + 0.5))
+
+
+class OnlineCalibration:
+    """Survival of verified drafts by (position, raw-logit bin), learnt from the rounds verified so far.
+
+    A draft at position j is *tested* when every draft before it was accepted and it was
+    verified; the calibrated confidence of a raw logit ``z`` at position j is
+    ``(survived + prior * sigmoid(z)) / (tested + prior)`` over the drafts tested in its bin:
+    ``sigmoid(z)`` until there is evidence, the observed rate once there is plenty."""
+
+    EDGES = (-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)  # bin boundaries on the raw logit
+
+    def __init__(self, positions: int, prior: float = 4.0) -> None:
+        if positions < 1 or prior <= 0:
+            raise ValueError(f"need positions >= 1 and prior > 0, got {positions}, {prior}")
+        self.prior = prior
+        bins = len(self.EDGES) + 1
+        self.tested = [[0] * bins for _ in range(positions)]
+        self.survived = [[0] * bins for _ in range(positions)]
+
+    @classmethod
+    def _bin(cls, z: float) -> int:
+        return bisect.bisect_right(cls.EDGES, z)
+
+    def confidence(self, z: float, j: int) -> float:
+        b = self._bin(z)
+        raw = 1.0 / (1.0 + math.exp(-z))
+        return (self.survived[j][b] + self.prior * raw) / (self.tested[j][b] + self.prior)
+
+    def observe(self, logits: Sequence[float], verified: int, accepted: int) -> None:
+        """One round: drafts ``0..accepted`` (within ``verified``) were tested, the first ``accepted`` survived."""
+        for j in range(min(accepted + 1, verified, len(logits), len(self.tested))):
+            b = self._bin(float(logits[j]))
+            self.tested[j][b] += 1
+            self.survived[j][b] += int(j < accepted)
 
 
 @dataclass
@@ -120,6 +162,7 @@ class SuffixProposer(Proposer):
             if len(temps) < self.max_drafts or not all(math.isfinite(t) and t > 0 for t in temps):
                 raise ValueError(f"need {self.max_drafts} finite STS temperatures > 0, got {temps}")
             self.temps = temps[: self.max_drafts]
+        self.calibration = OnlineCalibration(self.max_drafts) if self.temps is None else None
         self.shared = SuffixIndex(self.cfg.max_depth) if self.cfg.scope == "shared" else None
         self._ring: deque[int] = deque()  # shared sequence ids, oldest first
         self._slots: dict[int, _Slot] = {}
@@ -152,6 +195,10 @@ class SuffixProposer(Proposer):
     def cost(self) -> ProposerCost:
         return ProposerCost(per_row_s=self.cfg.host_seconds_per_row, on_device=False)
 
+    def observe(self, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
+        if self.calibration is not None:
+            self.calibration.observe(conf_logits, verified, accepted)
+
     # -- the shared ring -----------------------------------------------------------------------------
     def add_shared(self, tokens: Sequence[int]) -> None:
         """Index one output in the shared ring, evicting the oldest past the bounds."""
@@ -179,9 +226,11 @@ class SuffixProposer(Proposer):
         cand = _Candidate(tokens=toks)
         for j, (n_c, n) in enumerate(zip(counts, totals)):
             z = continuation_logit(n_c, n)
-            t = 1.0 if self.temps is None else self.temps[j]
             cand.logits.append(z)
-            cand.confidence.append(1.0 / (1.0 + math.exp(-z / t)))
+            if self.calibration is not None:
+                cand.confidence.append(self.calibration.confidence(z, j))
+            else:
+                cand.confidence.append(1.0 / (1.0 + math.exp(-z / self.temps[j])))
         return cand
 
     def _shared_cursor(self, st: _Slot) -> int:

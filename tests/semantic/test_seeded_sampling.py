@@ -157,6 +157,27 @@ def test_greedy_rows_are_verified_alike_by_both_rules():
     assert a.num_accepted.tolist() == b.num_accepted.tolist()
 
 
+def test_the_packed_rule_reads_only_the_verified_cells_and_agrees_with_the_grid():
+    """The engine verifies on the ragged pass's packed logits: the same result as on the padded
+    grid, with whatever lies in the padding (NaN here) never read; a miscounted pack is refused."""
+    R, K, V = 48, 4, 25
+    logits, temps, lens, seeds, pos = _random_case(R, K, V, seed=5)
+    temps[::2] = 0.0  # greedy and sampled rows mixed
+    drafts = torch.randint(0, V, (R, K), generator=torch.Generator().manual_seed(6))
+    drafts[::3] = logits[::3, :K].argmax(-1)
+    cells = torch.arange(K + 1).unsqueeze(0) <= lens.unsqueeze(-1)
+    padded = logits.clone()
+    padded[~cells] = float("nan")
+    grid = coupled.verify_coupled(drafts, padded, lens, temps, top_k=torch.full((R,), 7), seed=seeds, position=pos)
+    packed = coupled.verify_coupled_packed(drafts, logits[cells], lens, temps, top_k=torch.full((R,), 7),
+                                           seed=seeds, position=pos)
+    assert packed.num_accepted.tolist() == grid.num_accepted.tolist()
+    assert packed.output_tokens.tolist() == grid.output_tokens.tolist()
+    assert int(grid.num_accepted.sum()) > 0
+    with pytest.raises(ValueError, match="sum"):
+        coupled.verify_coupled_packed(drafts, logits[cells][1:], lens, temps, seed=seeds, position=pos)
+
+
 # ---------------------------------------------------------------------------------------
 # The engine: one identical text everywhere
 # ---------------------------------------------------------------------------------------

@@ -231,6 +231,29 @@ def test_confidence_is_the_smoothed_continuation_probability_and_sts_rescales_it
         SuffixProposer(plain.cfg, sts_temperatures=[1.0])
 
 
+def test_online_calibration_moves_from_the_raw_confidence_to_the_observed_survival():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]
+    sp = SuffixProposer(SuffixConfig(max_drafts=2, min_match=2, max_depth=3, scope="request"))
+    sp.reset(0, seq)
+    before = sp.propose([0])
+    z, z1 = before.conf_logits[0].tolist()
+    assert before.confidence[0, 0].item() == pytest.approx(2.5 / 4), "no evidence yet: the raw confidence"
+    for _ in range(96):  # drafts in this bin at position 0 survive one time in four
+        sp.observe([z, z1], verified=2, accepted=0)
+    for _ in range(32):
+        sp.observe([z, z1], verified=2, accepted=1)
+    after = sp.propose([0])
+    assert torch.equal(after.tokens, before.tokens), "calibration changes confidences, never drafts"
+    assert after.confidence[0, 0].item() == pytest.approx((32 + 4 * 2.5 / 4) / (128 + 4))
+    # position 1 was tested only where draft 0 survived (32 times), and never survived itself
+    assert sp.calibration.tested[1][sp.calibration._bin(z1)] == 32
+    assert after.confidence[0, 1].item() < 0.1
+    # unverified drafts teach nothing
+    frozen = [row[:] for row in sp.calibration.tested]
+    sp.observe([z, z1], verified=0, accepted=0)
+    assert sp.calibration.tested == frozen
+
+
 def test_config_refuses_bad_settings():
     for bad in ({"scope": "tenant"}, {"max_depth": 1}, {"min_match": 0}, {"max_drafts": 0}, {"shared_max_tokens": 0}):
         with pytest.raises(ValueError):
