@@ -595,8 +595,11 @@ def resolve_systems(names: str) -> list[str]:
     return out
 
 
-def levels_for(system: str, levels: list[Level]) -> list[Level]:
-    """The levels a system runs: transformers' prompt lookup has no batching, so batch 1 only."""
+def levels_for(system: str, levels: list[Level], peer_temperatures: Sequence[float] | None = None) -> list[Level]:
+    """The levels a system runs: transformers' prompt lookup has no batching, so batch 1 only; the
+    peers (transformers, vLLM) only at ``peer_temperatures`` when given."""
+    if not system.startswith("ours") and peer_temperatures is not None:
+        levels = [lv for lv in levels if lv.temperature in peer_temperatures]
     return [lv for lv in levels if lv.batch == 1] if system == "hf_prompt_lookup" else levels
 
 
@@ -607,6 +610,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                                          "hf_prompt_lookup,vllm_target_only,vllm_ngram")
     ap.add_argument("--batches", default="1,4,16,64", help="requests in flight per level")
     ap.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (T=1 requests carry seeds)")
+    ap.add_argument("--peer-temperatures", default=None,
+                    help="comma list: the temperatures transformers and vLLM run at (default: all of --temperatures)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--few-rounds", default="hf_generate,hf_prompt_lookup",
                     help="systems that run only in the first --few round(s) (peers outside the headline ratios)")
@@ -670,6 +675,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     few = {ALIASES.get(x, x) for x in args.few_rounds.split(",") if x}
+    peer_t = None if args.peer_temperatures is None else [float(t) for t in args.peer_temperatures.split(",") if t]
     raw: dict[str, list[dict]] = {s: [] for s in systems}
     tmp = out_dir / f".{args.name}.worker"
     command = command or " ".join(["python -m dspark.engine.sidebyside", *(argv if argv is not None else sys.argv[1:])])
@@ -691,7 +697,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         for system in systems[k:] + systems[:k]:
             if system in few and rnd >= args.few:
                 continue
-            spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in levels_for(system, levels)],
+            spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in levels_for(system, levels, peer_t)],
                     **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
                                                          "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
                                                          "vllm_kv_gib", "vllm_memory")},

@@ -121,7 +121,7 @@ class TargetRunner:
         why = None if self.varlen else "the fused layers need varlen attention"
         why = why or cpu_decoder.supports(target)
         if why is None and not cpu_decoder.available():
-            why = "the fused decoder stack did not build (it needs a C++ toolchain and AVX-512)"
+            why = "the fused decoder stack did not build (it needs a C++ toolchain and AVX-512 or AVX2)"
         if why is not None:
             if layers == "fused":
                 raise ValueError(f"layers='fused': {why}")

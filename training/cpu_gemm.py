@@ -9,7 +9,9 @@ come back on every step. Here each weight is packed once (``pack``) into panels 
 ``NR`` = 64 output columns, ``[panels, K, 64]``, so that one call streams every weight once,
 contiguously, whatever the row count; a 6-row x 64-column register tile (24 AVX-512
 accumulators) takes each input element as a broadcast and each packed row as four vector
-loads, which keeps the FMA units busy once there are enough rows to be compute bound.
+loads, which keeps the FMA units busy once there are enough rows to be compute bound. On a
+CPU with AVX2 + FMA and no AVX-512 the tile is 16 ymm registers (6 rows x 16 columns, 2 x 32
+or 1 x 64), the panel swept in passes.
 
 Row invariance: output ``[m, n]`` is one chain of fused multiply-adds over ``k`` in order,
 then ``+ bias[n]``, whatever the number of rows, the tile or thread it falls in, or the
@@ -18,9 +20,9 @@ the same bits alone, in a 64-row batch, at draft position 5 of a verify block, o
 prompt chunk, which makes "greedy speculative output = target-only output" exact
 arithmetic; the tests check it directly.
 
-Built on first use (``cpu_build``) where the CPU has AVX-512F, registered as
+Built on first use (``cpu_build``) where the CPU has AVX-512F or AVX2 + FMA, registered as
 ``torch.ops.dspark_gemm.*``; ``available()`` is False elsewhere and ``cpu_linear`` uses
-``F.linear``. A packed weight is a second copy of the weight (the modules keep theirs for
+``F.linear``. Both tiles run the same FMA chains, so the two builds give the same bits. A packed weight is a second copy of the weight (the modules keep theirs for
 training, export and the embedding lookup of tied heads).
 """
 from __future__ import annotations
@@ -92,6 +94,54 @@ static inline void row_tile(int64_t mb, const float* a, int64_t lda, const float
     default: tile<1>(a, lda, p, kc, c, ldc, first, cols); break;
   }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define DSPARK_GEMM_OK 1
+
+// lanes start .. start + 7 of a row that has ``cols`` valid columns
+static inline __m256i lanes(int64_t cols, int64_t start) {
+  const int64_t n = std::max<int64_t>(std::min<int64_t>(cols - start, 8), 0);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 16 ymm registers: MB rows x NV 8-lane vectors of accumulators, the 64-column panel in 8 / NV
+// passes of 8 * NV columns. The same FMA chain per output element as the AVX-512 tile.
+template <int MB, int NV>
+static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc, float* c, int64_t ldc, bool first,
+                        int64_t cols) {
+  for (int64_t c0 = 0; c0 < std::min<int64_t>(cols, NR); c0 += 8 * NV) {
+    __m256i mask[NV];
+    __m256 acc[MB][NV];
+    for (int j = 0; j < NV; ++j) mask[j] = lanes(cols, c0 + 8 * j);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NV; ++j)
+        acc[m][j] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + m * ldc + c0 + 8 * j, mask[j]);
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* pk = p + k * NR + c0;
+      _mm_prefetch(reinterpret_cast<const char*>(pk + 8 * NR), _MM_HINT_T0);
+      __m256 b[NV];
+      for (int j = 0; j < NV; ++j) b[j] = _mm256_loadu_ps(pk + 8 * j);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 av = _mm256_broadcast_ss(a + m * lda + k);
+        for (int j = 0; j < NV; ++j) acc[m][j] = _mm256_fmadd_ps(av, b[j], acc[m][j]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NV; ++j) _mm256_maskstore_ps(c + m * ldc + c0 + 8 * j, mask[j], acc[m][j]);
+  }
+}
+
+static inline void row_tile(int64_t mb, const float* a, int64_t lda, const float* p, int64_t kc, float* c,
+                            int64_t ldc, bool first, int64_t cols) {
+  switch (mb) {
+    case 6: tile<6, 2>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 5: tile<5, 2>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 4: tile<4, 2>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 3: tile<3, 2>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 2: tile<2, 4>(a, lda, p, kc, c, ldc, first, cols); break;
+    default: tile<1, 8>(a, lda, p, kc, c, ldc, first, cols); break;
+  }
+}
 #endif
 
 static bool supported() {
@@ -161,7 +211,7 @@ static at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     }
   });
 #else
-  TORCH_CHECK(false, "cpu_gemm: built without AVX-512");
+  TORCH_CHECK(false, "cpu_gemm: built without AVX-512 or AVX2 + FMA");
 #endif
   return out;
 }
@@ -183,7 +233,7 @@ TORCH_LIBRARY(dspark_gemm, m) {
 
 def _check(_) -> str | None:
     if not torch.ops.dspark_gemm.supported():
-        return "this CPU has no AVX-512"
+        return "this CPU has neither AVX-512 nor AVX2 + FMA"
     return None
 
 
@@ -192,7 +242,7 @@ _EXTENSION = CpuExtension("dspark_cpu_gemm", lambda: KERNEL_SOURCE + _OP_SOURCE,
 
 
 def available() -> bool:
-    """Build the kernel on first use (``cpu_build``); False without a C++ toolchain or AVX-512
+    """Build the kernel on first use (``cpu_build``); False without a C++ toolchain or AVX-512 / AVX2
     (``cpu_linear`` then uses ``F.linear``)."""
     return _EXTENSION.load() is not None
 

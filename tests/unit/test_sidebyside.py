@@ -127,6 +127,9 @@ def test_levels_and_distinct_prompts():
         (1, 6, 256, 0.0), (4, 4, 128, 0.0), (16, 16, 128, 0.0)]
     assert levels[3].temperature == 1.0
     assert levels_for("hf_prompt_lookup", levels) == [levels[0], levels[3]]
+    assert levels_for("vllm_ngram", levels, peer_temperatures=[0.0]) == levels[:3]
+    assert levels_for("hf_prompt_lookup", levels, peer_temperatures=[0.0]) == [levels[0]]
+    assert levels_for("ours_hybrid", levels, peer_temperatures=[0.0]) == levels, "our systems run every level"
     prompts = [Prompt("math", i, (i, i + 1)) for i in range(5)]
     assert len(level_prompts(prompts, Level(4, 4, 8, 0.0))) == 4
     with pytest.raises(ValueError, match="needs 6 distinct prompts"):
