@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, help="timed steps per point (default: 3 on the CPU, 20 on a GPU)")
+    p.add_argument("--repeats", type=int, help="timed steps per point (default: 5 sweeps on the CPU, 20 on a GPU)")
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
     p.add_argument("--checkpoint", help="drafter whose pass is timed too (default: <run>/checkpoints/last if present)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: profile where you serve")

@@ -266,8 +266,9 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
 
     The steps run the way the engine runs them (``EngineConfig.static_steps``): on a GPU,
     ``auto`` replays CUDA graphs of the padded (rows, query) buckets, whose cost is what the
-    scheduler trades against; on the CPU the ragged eager forward. ``repeats`` defaults to 3 on
-    the CPU (a step takes 0.1-2 s) and 20 on a GPU, after 5 warm-up steps that bring the clocks up."""
+    scheduler trades against; on the CPU the ragged eager forward. ``repeats`` (sweeps over all
+    counts, interleaved: ``profile_sps``) defaults to 5 on the CPU (a step takes 0.05-4 s) and 20
+    on a GPU, after 5 warm-up steps that bring the clocks up."""
     from .sps import profile_sps
     from .static_target import StaticTarget, with_static_steps
 
@@ -285,7 +286,7 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
             runner.set_length(r, context)
         runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-    warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or 3)
+    warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or 5)
     return profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
                        engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
 

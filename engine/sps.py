@@ -323,10 +323,15 @@ def profile_sps(
 ) -> SpsTable:
     """Time ``step_fn(B)`` (one engine step at B batch tokens) for each B in ``token_counts``.
 
-    Per count: ``warmup`` untimed calls (e.g. graph capture), then ``repeats`` timed calls;
-    the table stores ``1 / median(time)``. For GPU engines pass ``sync=torch.cuda.synchronize``
-    so that each timed call includes the device work (it is called before the clock stops).
-    Raises FlatCostTableError rather than return a table that only looks profiled.
+    Per count ``warmup`` untimed calls (e.g. graph capture); then ``repeats`` sweeps over all
+    counts, each sweep starting one count further along, and the table stores ``1 / median``
+    of each count's times. Interleaving matters on a shared or throttling host: timed one
+    count after another, a slow minute would land on a few neighbouring counts and bend the
+    curve the scheduler trades against (a flat stretch reads as free verify tokens); spread
+    over sweeps, it lands on every count alike. For GPU engines pass
+    ``sync=torch.cuda.synchronize`` so that each timed call includes the device work (it is
+    called before the clock stops). Raises FlatCostTableError rather than return a table
+    that only looks profiled.
     """
     from tqdm.auto import tqdm
 
@@ -335,25 +340,30 @@ def profile_sps(
         raise ValueError(f"token_counts needs at least 2 distinct counts >= 1, got {counts}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
-    sps: list[float] = []
-    for b in tqdm(counts, desc="profiling SPS", unit="count", disable=not progress):
+    for b in counts:
         for _ in range(warmup):
             step_fn(b)
         if sync is not None:
             sync()
-        times = []
-        for _ in range(repeats):
-            t0 = timer()
-            step_fn(b)
-            if sync is not None:
-                sync()
-            times.append(timer() - t0)
-        median = statistics.median(times)
+    times: dict[int, list[float]] = {b: [] for b in counts}
+    with tqdm(total=repeats * len(counts), desc="profiling SPS", unit="step", disable=not progress) as bar:
+        for sweep in range(repeats):
+            k = sweep % len(counts)
+            for b in counts[k:] + counts[:k]:
+                t0 = timer()
+                step_fn(b)
+                if sync is not None:
+                    sync()
+                times[b].append(timer() - t0)
+                bar.update()
+    sps: list[float] = []
+    for b in counts:
+        median = statistics.median(times[b])
         if not median > 0:
             raise SpsTableError(f"<profile of {engine or 'engine'}>: step at {b} tokens timed {median!r} s")
         sps.append(1.0 / median)
     table = SpsTable(tokens=counts, steps_per_s=sps, device=device, engine=engine,
-                     meta={"warmup": warmup, "repeats": repeats, "statistic": "median"},
+                     meta={"warmup": warmup, "repeats": repeats, "statistic": "median", "order": "interleaved sweeps"},
                      source=f"<profile of {engine or 'engine'} on {device}>")
     if not allow_flat:
         table.check_profiled(flat_rtol)

@@ -175,6 +175,26 @@ def test_profile_sps_stores_one_over_the_median_step_time():
     assert table.engine == "fake" and table.meta["repeats"] == 5
 
 
+def test_a_slow_spell_during_profiling_lands_on_every_count_alike():
+    """The host slows down 3x for the second half of the timed calls: with interleaved sweeps
+    every count sees the same share of slow calls, so the table keeps the true cost ratios
+    (timed count after count, the largest counts would all fall in the slow half)."""
+    clock = _FakeClock()
+    counts = [1, 4, 16, 64]
+    repeats = 4
+    timed = {"n": 0}
+
+    def step(tokens: int) -> None:
+        timed["n"] += 1
+        slow = 3.0 if timed["n"] > len(counts) + len(counts) * repeats // 2 else 1.0  # after the warm-ups + half
+        clock.now += (1e-3 + 1e-4 * tokens) * slow
+
+    table = profile_sps(step, counts, warmup=1, repeats=repeats, progress=False, timer=clock)
+    base = [1.0 / (1e-3 + 1e-4 * t) for t in counts]
+    ratios = [s / b for s, b in zip(table.steps_per_s, base)]
+    assert max(ratios) == pytest.approx(min(ratios)), "every count slowed down by the same factor"
+
+
 def test_profile_sps_refuses_a_flat_profile():
     clock = _FakeClock()
 
