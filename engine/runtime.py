@@ -33,13 +33,12 @@ how many of them were verified. ``auto`` gives the coupled rule to requests that
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -473,7 +472,7 @@ class SpecEngine:
             if not any(_by_rejection(r) for r in reqs):
                 # only rejection sampling reads draft distributions; [R, K, V] of them, scattered and
                 # combined for 64 rows over a 49k vocabulary, is ~90 MB of memory traffic per step
-                proposal = dataclasses.replace(proposal, probs=None)
+                proposal = replace(proposal, probs=None)
             neural = _scatter(proposal, rows, R)
             for r in sub:
                 r.last_drafted = self.stats.decode_steps

@@ -337,7 +337,8 @@ def worker_history(spec: dict, temperatures: Sequence[float]) -> dict[str, list[
         for i, p in enumerate(prompts):
             params = SamplingParams(max_tokens=spec["history_tokens"], temperature=t,
                                     seed=HISTORY_SEED_BASE + i if t > 0 else None)
-            eng.submit(str(i), list(p.ids), params, lambda o: texts.setdefault(o.request_id, []).extend(o.new_token_ids))
+            eng.submit(str(i), list(p.ids), params,
+                       lambda o: texts.setdefault(o.request_id, []).extend(o.new_token_ids))
         eng.run_until_done()
         out[f"{t:g}"] = [texts[str(i)] for i in range(len(prompts))]
     return out

@@ -262,10 +262,10 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
               "coupled rule, the same seeds as our target-only; other samplers have no defined identity at T=1)."]
     settings = report.get("settings", {})
     if settings.get("history"):
-        lines += ["", f"History: when a level starts, the shared suffix index of `ours_suffix` / `ours_hybrid` holds the "
-                  f"outputs of {settings['history']} earlier requests ({settings.get('history_tokens')} new tokens each, "
-                  "at the level's temperature, eval-set prompts that no measured request uses), as a server's index "
-                  "would after serving them. No other system keeps state across requests."]
+        lines += ["", "History: when a level starts, the shared suffix index of `ours_suffix` / `ours_hybrid` "
+                  f"holds the outputs of {settings['history']} earlier requests ({settings.get('history_tokens')} new "
+                  "tokens each, at the level's temperature, eval-set prompts that no measured request uses), as a "
+                  "server's index would after serving them. No other system keeps state across requests."]
     if report.get("task_results"):
         lines += ["", "## By task", "",
                   "Per task, tokens/s is the rate one request sees (the task's tokens over its requests' summed time in "

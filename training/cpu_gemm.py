@@ -22,8 +22,9 @@ arithmetic; the tests check it directly.
 
 Built on first use (``cpu_build``) where the CPU has AVX-512F or AVX2 + FMA, registered as
 ``torch.ops.dspark_gemm.*``; ``available()`` is False elsewhere and ``cpu_linear`` uses
-``F.linear``. Both tiles run the same FMA chains, so the two builds give the same bits. A packed weight is a second copy of the weight (the modules keep theirs for
-training, export and the embedding lookup of tied heads).
+``F.linear``. Both tiles run the same FMA chains in the same order (the same arithmetic). A
+packed weight is a second copy of the weight (the modules keep theirs for training, export
+and the embedding lookup of tied heads).
 """
 from __future__ import annotations
 
