@@ -574,8 +574,11 @@ class SpecEngine:
         def rows_of(t: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
             return t if sel is None else t[sel.to(t.device)]
 
+        def logits_of(sel: torch.Tensor | None) -> torch.Tensor:
+            return token_logits if sel is None else token_logits[sel[cells].to(dev)]
+
         def run_coupled(sel: torch.Tensor | None):
-            logits = token_logits if sel is None else token_logits[sel[cells].to(dev)]
+            logits = logits_of(sel)
             return coupled.verify_coupled_packed(
                 rows_of(drafts, sel).to(dev), logits.float(), rows_of(lens, sel).to(dev),
                 rows_of(temps, sel).to(dev), top_k=rows_of(top_k, sel), top_p=rows_of(top_p, sel),
@@ -583,7 +586,7 @@ class SpecEngine:
 
         def run_rejection(sel: torch.Tensor | None):
             sub_lens = rows_of(lens, sel)
-            logits = token_logits if sel is None else token_logits[sel[cells].to(dev)]
+            logits = logits_of(sel)
             cu = torch.zeros(len(sub_lens) + 1, dtype=torch.long)
             cu[1:] = torch.cumsum(sub_lens + 1, 0)
             grid = verify_ref.unpack_ragged(logits.float(), cu.to(dev), L + 1)  # [n, L+1, V]
