@@ -542,7 +542,7 @@ class SpecEngine:
             source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"
             self.stats.record_round(source, l_, n)
             if l_ > 0 and conf_logits is not None and source in self._by_name:
-                self._by_name[source].observe(conf_logits[i, :l_].tolist(), l_, n)
+                self._by_name[source].observe(r.slot, conf_logits[i, :l_].tolist(), l_, n)
             if self.cfg.record_rounds:
                 has_conf = conf is not None and int(batch.lens[i]) > 0
                 self.rounds.append(RoundRecord(r.rid, l_, n, conf[i].tolist() if has_conf else None))

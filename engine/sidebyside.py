@@ -19,7 +19,10 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
 Every run of a system starts a fresh engine (vLLM's caches start empty; our shared suffix index
 starts empty, or with ``--history N``: holding the outputs of N earlier requests on prompts that
 no level uses, the steady state of a server that has served them), and
-every system runs in its own process, ``--rounds`` rounds in rotating order. Levels: for
+every run is a process of its own, ``--rounds`` rounds in rotating order: by default
+(``--order levels``) one process per system and level, a level's systems back to back, so
+the two runs of a same-round ratio are minutes apart on a host whose speed drifts
+(``run_order``). Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
 arriving one per engine step until ``batch`` run, a finished one replaced by the next).
@@ -46,12 +49,12 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .sidebyside_report import TASKS, summarise, write_report
 
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
-           "drive", "EngineProbe", "build_parser", "main"]
+           "drive", "EngineProbe", "build_parser", "main", "run_order"]
 
 SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate",
            "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
@@ -596,12 +599,39 @@ def resolve_systems(names: str) -> list[str]:
     return out
 
 
-def levels_for(system: str, levels: list[Level], peer_temperatures: Sequence[float] | None = None) -> list[Level]:
+def levels_for(system: str, levels: list[Level], peer_temperatures: Sequence[float] | None = None,
+               peer_batches: Sequence[int] | None = None) -> list[Level]:
     """The levels a system runs: transformers' prompt lookup has no batching, so batch 1 only; the
-    peers (transformers, vLLM) only at ``peer_temperatures`` when given."""
-    if not system.startswith("ours") and peer_temperatures is not None:
-        levels = [lv for lv in levels if lv.temperature in peer_temperatures]
+    peers (transformers, vLLM) only at ``peer_temperatures`` and ``peer_batches`` when given."""
+    if not system.startswith("ours"):
+        if peer_temperatures is not None:
+            levels = [lv for lv in levels if lv.temperature in peer_temperatures]
+        if peer_batches is not None:
+            levels = [lv for lv in levels if lv.batch in peer_batches]
     return [lv for lv in levels if lv.batch == 1] if system == "hf_prompt_lookup" else levels
+
+
+def run_order(systems: Sequence[str], levels: Sequence[Level], rounds: int, by_level: bool,
+              few: Iterable[str] = (), few_rounds: int = 1) -> list[tuple[int, str, list[Level]]]:
+    """(round, system, levels of one worker process) in the order they run.
+
+    ``by_level``: one process per system and level, the systems of a level run back to back
+    (their order rotating with the round and the level), so the runs a same-round ratio pairs
+    are minutes apart, not a whole round: a slow spell of a shared host then lands on both
+    sides of a ratio. Otherwise one process per system and round, runs every level in turn.
+    A system in ``few`` runs only in the first ``few_rounds`` rounds."""
+    few = set(few)
+    order = []
+    for rnd in range(rounds):
+        chosen = [s for s in systems if s not in few or rnd < few_rounds]
+        if not by_level:
+            k = rnd % len(chosen) if chosen else 0
+            order += [(rnd, s, list(levels)) for s in chosen[k:] + chosen[:k]]
+            continue
+        for i, lv in enumerate(levels):
+            k = (rnd + i) % len(chosen) if chosen else 0
+            order += [(rnd, s, [lv]) for s in chosen[k:] + chosen[:k]]
+    return order
 
 
 def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
@@ -613,7 +643,12 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", default="0", help="comma list, e.g. 0,1 (T=1 requests carry seeds)")
     ap.add_argument("--peer-temperatures", default=None,
                     help="comma list: the temperatures transformers and vLLM run at (default: all of --temperatures)")
+    ap.add_argument("--peer-batches", default=None,
+                    help="comma list: the batches transformers and vLLM run at (default: all of --batches)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--order", choices=("levels", "systems"), default="levels",
+                    help="levels: a process per system and level, a level's systems back to back (ratios pair runs "
+                         "minutes apart); systems: a process per system and round, running every level")
     ap.add_argument("--few-rounds", default="hf_generate,hf_prompt_lookup",
                     help="systems that run only in the first --few round(s) (peers outside the headline ratios)")
     ap.add_argument("--few", type=int, default=1)
@@ -647,6 +682,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, defaults: dict | None = None, command: str | None = None) -> dict | None:
     """Run the benchmark (or, with ``--worker``, one system's runs) and write the report."""
+    from tqdm.auto import tqdm
+
     args = build_parser(defaults).parse_args(argv)
     if args.worker:
         worker_main(*args.worker)
@@ -693,29 +730,33 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         print(f"history: {args.history} requests x {args.history_tokens} tokens per temperature "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     report = None
-    for rnd in range(args.rounds):
-        k = rnd % len(systems)
-        for system in systems[k:] + systems[:k]:
-            if system in few and rnd >= args.few:
-                continue
-            spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in levels_for(system, levels, peer_t)],
-                    **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
-                                                         "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
-                                                         "vllm_kv_gib", "vllm_memory")},
-                    "history_path": history_path}
-            Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
-                            f"{tmp}.out.json"], check=True)
-            res = json.loads(Path(f"{tmp}.out.json").read_text())
-            raw[system].append(res)
-            tps = ", ".join(f"{lv['batch']}@T{lv['temperature']:g} "
-                            f"{sum(len(r['tokens']) for r in lv['request_records']) / lv['seconds']:.1f}"
-                            for lv in res["levels"])
-            print(f"round {rnd + 1} {system}: {tps} tok/s ({time.perf_counter() - t:.0f} s)", flush=True)
-            # the report so far after every run: a run cut short still leaves its finished rounds
-            report = _report({s: r for s, r in raw.items() if r}, args, systems, notes, command)
-            write_report(report, out_dir, args.name)
+    peer_b = None if args.peer_batches is None else [int(b) for b in args.peer_batches.split(",") if b]
+    plan = run_order(systems, levels, args.rounds, args.order == "levels", few, args.few)
+    for rnd, system, lvs in tqdm(plan, desc="side by side", unit="run", file=sys.stdout):
+        lvs = levels_for(system, lvs, peer_t, peer_b)
+        if not lvs:
+            continue
+        spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in lvs],
+                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
+                                                     "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
+                                                     "vllm_kv_gib", "vllm_memory")},
+                "history_path": history_path}
+        Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
+                        f"{tmp}.out.json"], check=True)
+        res = json.loads(Path(f"{tmp}.out.json").read_text())
+        runs = raw[system]
+        while len(runs) <= rnd:  # a round's levels gather in one entry, whichever process ran them
+            runs.append({"system": system, "info": res["info"], "levels": []})
+        runs[rnd]["levels"] += res["levels"]
+        tps = ", ".join(f"{lv['batch']}@T{lv['temperature']:g} "
+                        f"{sum(len(r['tokens']) for r in lv['request_records']) / lv['seconds']:.1f}"
+                        for lv in res["levels"])
+        tqdm.write(f"round {rnd + 1} {system}: {tps} tok/s ({time.perf_counter() - t:.0f} s)", file=sys.stdout)
+        # the report so far after every run: a run cut short still leaves its finished rounds
+        report = _report({s: r for s, r in raw.items() if r}, args, systems, notes, command)
+        write_report(report, out_dir, args.name)
     for suffix in (".spec.json", ".out.json", ".history.json"):
         Path(f"{tmp}{suffix}").unlink(missing_ok=True)
     print((out_dir / f"{args.name}.md").read_text())
@@ -736,7 +777,7 @@ def _report(raw: dict[str, list[dict]], args, systems: list[str], notes: list[st
     return {"title": args.title, "host": cpu_model(), "threads": threads, "command": command,
             "rounds": args.rounds, "systems": systems, "rounds_per_system": {s: len(r) for s, r in raw.items()},
             "notes": notes, "systems_info": {s: r[0]["info"] for s, r in raw.items()},
-            "settings": {"engine_dir": args.engine_dir, "sps": args.sps, "suffix_max_drafts": args.suffix_max_drafts,
+            "settings": {"order": args.order, "peer_batches": args.peer_batches, "engine_dir": args.engine_dir, "sps": args.sps, "suffix_max_drafts": args.suffix_max_drafts,
                          "suffix_scope": args.suffix_scope, "prompts_per_task": args.prompts_per_task,
                          "history": args.history, "history_tokens": args.history_tokens,
                          "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_ngram": VLLM_NGRAM},

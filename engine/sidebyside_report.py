@@ -255,12 +255,14 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
                      f"{_f(r['ttft_p50_ms'], '.0f')} | {_pct(r['identical_to_target_only'])} | "
                      f"{_pct(r['identical_to_vllm_fp32'])} | {thr} |")
     per = ", ".join(f"{s} {n}" for s, n in report.get("rounds_per_system", {}).items())
-    lines += ["", f"Rounds run: {per} (of {report.get('rounds')} planned); systems in rotating order, each in its own "
-              "process, a fresh engine for every run. tokens/s is the median round's; `x ...` the median of same-round "
+    settings = report.get("settings", {})
+    how = ("a process per system and level, a level's systems back to back" if settings.get("order") == "levels"
+           else "a process per system and round")
+    lines += ["", f"Rounds run: {per} (of {report.get('rounds')} planned); systems in rotating order, {how}, a "
+              "fresh engine for every run. tokens/s is the median round's; `x ...` the median of same-round "
               "ratios; the other columns come from the median round. `= ours target-only` / `= vLLM fp32`: share of "
               "requests (every round) whose tokens equal that system's first round (T=1: our rows under the seeded "
               "coupled rule, the same seeds as our target-only; other samplers have no defined identity at T=1)."]
-    settings = report.get("settings", {})
     if settings.get("history"):
         lines += ["", "History: when a level starts, the shared suffix index of `ours_suffix` / `ours_hybrid` "
                   f"holds the outputs of {settings['history']} earlier requests ({settings.get('history_tokens')} new "

@@ -5,13 +5,15 @@ the target, so it is bound by streaming the weights from memory; a step with a p
 chunk, or 64 requests in flight, is bound by arithmetic. A general BLAS serves both poorly
 at these sizes: at 2-8 rows it packs the weight into scratch memory on every call (a
 4-token verify cost about twice a 1-token step), and it cannot know that the same weights
-come back on every step. Here each weight is packed once (``pack``) into panels of
-``NR`` = 64 output columns, ``[panels, K, 64]``, so that one call streams every weight once,
-contiguously, whatever the row count; a 6-row x 64-column register tile (24 AVX-512
+come back on every step. Here each weight is packed once (``pack``) into panels of ``NR``
+output columns (64 with AVX-512, 32 with AVX2), ``[panels, K, NR]``, so that one call streams
+every weight once, contiguously, whatever the row count; a 6-row x 64-column register tile (24 AVX-512
 accumulators) takes each input element as a broadcast and each packed row as four vector
 loads, which keeps the FMA units busy once there are enough rows to be compute bound. On a
-CPU with AVX2 + FMA and no AVX-512 the tile is 16 ymm registers (6 rows x 16 columns, 2 x 32
-or 1 x 64), the panel swept in passes.
+CPU with AVX2 + FMA and no AVX-512 the panels are 32 columns wide and the tile 3 rows x 32
+columns (12 ymm accumulators + 4 panel vectors): every packed row is read in one pass, so a
+verify of 2-3 tokens streams the weights at the rate of a 1-token step (with 64-column
+panels swept in 2-4 passes of a 16-register tile, a 2-4 token verify cost 1.3-1.5x).
 
 Row invariance: output ``[m, n]`` is one chain of fused multiply-adds over ``k`` in order,
 then ``+ bias[n]``, whatever the number of rows, the tile or thread it falls in, or the
@@ -34,9 +36,8 @@ import torch
 
 from .cpu_build import CpuExtension
 
-__all__ = ["available", "PackedWeight", "pack", "gemm", "KERNEL_SOURCE", "PANEL"]
+__all__ = ["available", "PackedWeight", "pack", "gemm", "KERNEL_SOURCE"]
 
-PANEL = 64  # output columns per packed panel (four 16-lane vectors)
 
 KERNEL_SOURCE = r"""
 #include <torch/extension.h>
@@ -46,12 +47,11 @@ KERNEL_SOURCE = r"""
 
 namespace dspark_gemm {
 
+#if defined(__AVX512F__)
+#define DSPARK_GEMM_OK 1
 constexpr int64_t NR = 64;   // packed panel width: 4 vectors of 16
 constexpr int64_t MR = 6;    // rows per register tile: 6 x 4 = 24 accumulators
 constexpr int64_t KC = 384;  // k per block: a [KC, NR] panel slice (96 KiB) stays in L2 across the row tiles
-
-#if defined(__AVX512F__)
-#define DSPARK_GEMM_OK 1
 
 // c[m, 0:cols] (=|+=) sum_k a[m, k] * p[k, 0:64] for MB rows: one FMA chain per output element
 template <int MB>
@@ -98,6 +98,10 @@ static inline void row_tile(int64_t mb, const float* a, int64_t lda, const float
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DSPARK_GEMM_OK 1
+constexpr int64_t NR = 32;   // packed panel width: 4 vectors of 8, a packed row in one pass of the tile
+constexpr int64_t MR = 3;    // rows per register tile: 3 x 4 = 12 accumulators (+ 4 panel vectors = 16 ymm)
+constexpr int64_t KC = 768;  // k per block: a [KC, NR] panel slice (96 KiB) stays in L2 across the row tiles
+constexpr int64_t PF = 12;   // packed rows prefetched ahead
 
 // lanes start .. start + 7 of a row that has ``cols`` valid columns
 static inline __m256i lanes(int64_t cols, int64_t start) {
@@ -105,8 +109,8 @@ static inline __m256i lanes(int64_t cols, int64_t start) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// 16 ymm registers: MB rows x NV 8-lane vectors of accumulators, the 64-column panel in 8 / NV
-// passes of 8 * NV columns. The same FMA chain per output element as the AVX-512 tile.
+// MB rows x NV 8-lane vectors of accumulators, the 32-column panel in 4 / NV passes of 8 * NV
+// columns (one pass at NV = 4). The same FMA chain per output element as the AVX-512 tile.
 template <int MB, int NV>
 static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc, float* c, int64_t ldc, bool first,
                         int64_t cols) {
@@ -119,7 +123,10 @@ static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc,
         acc[m][j] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + m * ldc + c0 + 8 * j, mask[j]);
     for (int64_t k = 0; k < kc; ++k) {
       const float* pk = p + k * NR + c0;
-      _mm_prefetch(reinterpret_cast<const char*>(pk + 8 * NR), _MM_HINT_T0);
+      // the whole packed row (two cache lines) PF rows ahead
+      const char* ahead = reinterpret_cast<const char*>(p + (k + PF) * NR);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
       __m256 b[NV];
       for (int j = 0; j < NV; ++j) b[j] = _mm256_loadu_ps(pk + 8 * j);
       for (int m = 0; m < MB; ++m) {
@@ -135,14 +142,13 @@ static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc,
 static inline void row_tile(int64_t mb, const float* a, int64_t lda, const float* p, int64_t kc, float* c,
                             int64_t ldc, bool first, int64_t cols) {
   switch (mb) {
-    case 6: tile<6, 2>(a, lda, p, kc, c, ldc, first, cols); break;
-    case 5: tile<5, 2>(a, lda, p, kc, c, ldc, first, cols); break;
-    case 4: tile<4, 2>(a, lda, p, kc, c, ldc, first, cols); break;
-    case 3: tile<3, 2>(a, lda, p, kc, c, ldc, first, cols); break;
+    case 3: tile<3, 4>(a, lda, p, kc, c, ldc, first, cols); break;
     case 2: tile<2, 4>(a, lda, p, kc, c, ldc, first, cols); break;
-    default: tile<1, 8>(a, lda, p, kc, c, ldc, first, cols); break;
+    default: tile<1, 4>(a, lda, p, kc, c, ldc, first, cols); break;
   }
 }
+#else
+constexpr int64_t NR = 64, MR = 6, KC = 384;  // no kernel here (supported() is false); pack keeps its layout
 #endif
 
 static bool supported() {
@@ -250,7 +256,7 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A ``[n, K]`` weight packed for ``gemm``: ``data [ceil(n / PANEL), K, PANEL]``."""
+    """A ``[n, K]`` weight packed for ``gemm``: ``data [ceil(n / NR), K, NR]`` (``NR`` = the kernel's panel width)."""
 
     data: torch.Tensor
     n: int

@@ -205,10 +205,10 @@ class Proposer(ABC):
     def settle(self, slots: Sequence[int]) -> None:
         """End of an engine phase for ``slots`` (their tokens went out); default: nothing deferred."""
 
-    def observe(self, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
-        """One of this proposer's rounds was verified: the raw confidence logits of its drafts,
-        how many of them were verified and how many accepted (for online calibration); default:
-        nothing learnt."""
+    def observe(self, slot: int, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
+        """This proposer's last proposal for ``slot`` was verified: the raw confidence logits of
+        its drafts, how many of them were verified and how many accepted (for online
+        calibration); default: nothing learnt."""
 
     @abstractmethod
     def cost(self) -> ProposerCost:

@@ -23,8 +23,8 @@ another matter (a continuation seen twice in a text that repeats itself is not a
 chance), so the proposer calibrates: with per-position STS temperatures ``T_j`` given
 (``engine/sts.py``: ``fit_sts`` on replayed rounds; ``scripts/replay_suffix.py`` fits them)
 the confidence is ``sigmoid(z / T_j)``; without them, online (``OnlineCalibration``): the
-observed survival rate of this engine's verified drafts at the same position and raw-logit
-bin, shrunk towards ``sigmoid(z)`` while there are few. Of the two candidates (own, shared)
+observed survival rate of this engine's verified drafts at the same position, matched depth
+and raw-logit bin, shrunk towards coarser cells and ``sigmoid(z)`` while there are few. Of the two candidates (own, shared)
 the one with more expected accepted drafts (sum of cumulative confidences) is proposed.
 
 Drafts are point masses (``DraftBatch.probs`` is None): the proposal is a deterministic
@@ -88,38 +88,53 @@ def continuation_logit(chosen: int, total: int) -> float:
 
 
 class OnlineCalibration:
-    """Survival of verified drafts by (position, raw-logit bin), learnt from the rounds verified so far.
+    """Survival of verified drafts by position, matched depth and raw logit, learnt from the rounds verified so far.
 
     A draft at position j is *tested* when every draft before it was accepted and it was
-    verified; the calibrated confidence of a raw logit ``z`` at position j is
-    ``(survived + prior * sigmoid(z)) / (tested + prior)`` over the drafts tested in its bin:
-    ``sigmoid(z)`` until there is evidence, the observed rate once there is plenty."""
+    verified. Two tables count tested and survived drafts: one per (j, raw-logit bin), one per
+    (j, depth bin, raw-logit bin), the depth being how many tokens of context the draft was
+    matched on (a continuation after a 12-token match in a text that repeats itself survives
+    far more often than one after 2 tokens, at the same counts). The confidence of a draft is
+    the second table's rate shrunk towards the first's, the first's shrunk towards
+    ``sigmoid(z)``: ``c1 = (s1 + p sigmoid(z)) / (t1 + p)``, ``c = (s2 + p c1) / (t2 + p)``:
+    ``sigmoid(z)`` until there is evidence, the observed rate of its own cell once there is
+    plenty, its position's and logit's rate in between."""
 
     EDGES = (-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)  # bin boundaries on the raw logit
+    DEPTH_EDGES = (3, 5, 8, 12)  # bin boundaries on the matched depth (tokens)
 
     def __init__(self, positions: int, prior: float = 4.0) -> None:
         if positions < 1 or prior <= 0:
             raise ValueError(f"need positions >= 1 and prior > 0, got {positions}, {prior}")
         self.prior = prior
-        bins = len(self.EDGES) + 1
+        bins, dbins = len(self.EDGES) + 1, len(self.DEPTH_EDGES) + 1
         self.tested = [[0] * bins for _ in range(positions)]
         self.survived = [[0] * bins for _ in range(positions)]
+        self.tested_at = [[[0] * bins for _ in range(dbins)] for _ in range(positions)]
+        self.survived_at = [[[0] * bins for _ in range(dbins)] for _ in range(positions)]
 
     @classmethod
     def _bin(cls, z: float) -> int:
         return bisect.bisect_right(cls.EDGES, z)
 
-    def confidence(self, z: float, j: int) -> float:
-        b = self._bin(z)
-        raw = 1.0 / (1.0 + math.exp(-z))
-        return (self.survived[j][b] + self.prior * raw) / (self.tested[j][b] + self.prior)
+    @classmethod
+    def _depth_bin(cls, depth: int) -> int:
+        return bisect.bisect_right(cls.DEPTH_EDGES, depth)
 
-    def observe(self, logits: Sequence[float], verified: int, accepted: int) -> None:
+    def confidence(self, z: float, j: int, depth: int) -> float:
+        b, d, p = self._bin(z), self._depth_bin(depth), self.prior
+        raw = 1.0 / (1.0 + math.exp(-z))
+        pooled = (self.survived[j][b] + p * raw) / (self.tested[j][b] + p)
+        return (self.survived_at[j][d][b] + p * pooled) / (self.tested_at[j][d][b] + p)
+
+    def observe(self, logits: Sequence[float], depths: Sequence[int], verified: int, accepted: int) -> None:
         """One round: drafts ``0..accepted`` (within ``verified``) were tested, the first ``accepted`` survived."""
-        for j in range(min(accepted + 1, verified, len(logits), len(self.tested))):
-            b = self._bin(float(logits[j]))
+        for j in range(min(accepted + 1, verified, len(logits), len(depths), len(self.tested))):
+            b, d, ok = self._bin(float(logits[j])), self._depth_bin(int(depths[j])), int(j < accepted)
             self.tested[j][b] += 1
-            self.survived[j][b] += int(j < accepted)
+            self.survived[j][b] += ok
+            self.tested_at[j][d][b] += 1
+            self.survived_at[j][d][b] += ok
 
 
 @dataclass
@@ -130,6 +145,7 @@ class _Slot:
     prompt_len: int
     shared_node: int = ROOT  # cursor: longest suffix of ``tokens`` in the shared index
     shared_version: int = -1  # the shared index's version the cursor is valid for
+    proposed_depths: list[int] = field(default_factory=list)  # matched depths of the last proposal's drafts
 
 
 @dataclass
@@ -137,6 +153,7 @@ class _Candidate:
     tokens: list[int] = field(default_factory=list)
     logits: list[float] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # tokens of context each draft was matched on
 
     @property
     def expected_accepts(self) -> float:
@@ -195,9 +212,10 @@ class SuffixProposer(Proposer):
     def cost(self) -> ProposerCost:
         return ProposerCost(per_row_s=self.cfg.host_seconds_per_row, on_device=False)
 
-    def observe(self, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
-        if self.calibration is not None:
-            self.calibration.observe(conf_logits, verified, accepted)
+    def observe(self, slot: int, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
+        st = self._slots.get(slot)
+        if self.calibration is not None and st is not None:
+            self.calibration.observe(conf_logits, st.proposed_depths, verified, accepted)
 
     # -- the shared ring -----------------------------------------------------------------------------
     def add_shared(self, tokens: Sequence[int]) -> None:
@@ -222,13 +240,13 @@ class SuffixProposer(Proposer):
 
     # -- drafting ------------------------------------------------------------------------------------
     def _candidate(self, index: SuffixIndex, node: int, k: int) -> _Candidate:
-        toks, counts, totals = index.draft(node, k, self.cfg.min_match)
-        cand = _Candidate(tokens=toks)
+        toks, counts, totals, depths = index.draft(node, k, self.cfg.min_match)
+        cand = _Candidate(tokens=toks, depths=depths)
         for j, (n_c, n) in enumerate(zip(counts, totals)):
             z = continuation_logit(n_c, n)
             cand.logits.append(z)
             if self.calibration is not None:
-                cand.confidence.append(self.calibration.confidence(z, j))
+                cand.confidence.append(self.calibration.confidence(z, j, depths[j]))
             else:
                 cand.confidence.append(1.0 / (1.0 + math.exp(-z / self.temps[j])))
         return cand
@@ -259,6 +277,7 @@ class SuffixProposer(Proposer):
         lens = torch.zeros(R, dtype=torch.long)
         for r, s in enumerate(slots):
             cand = self.propose_one(s)
+            self._slots[s].proposed_depths = cand.depths
             n = len(cand.tokens)
             lens[r] = n
             if n:

@@ -248,14 +248,15 @@ class SuffixIndex:
             node = self.advance(node, t)
         return node
 
-    def draft(self, node: int, k: int, min_depth: int = 1) -> tuple[list[int], list[int], list[int]]:
+    def draft(self, node: int, k: int, min_depth: int = 1) -> tuple[list[int], list[int], list[int], list[int]]:
         """Up to ``k`` drafts continuing the context whose longest suffix in the trie is ``node``.
 
         Each step backs off along suffix links to the longest suffix (of depth >= ``min_depth``)
         that has a continuation, then takes its most frequent next token. Returns (tokens,
-        chosen-child counts, continuation counts of the nodes they were chosen at): the
-        empirical probability of draft j is ``counts[j] / totals[j]``."""
-        toks, counts, totals = [], [], []
+        chosen-child counts, continuation counts of the nodes they were chosen at, those nodes'
+        depths): the empirical probability of draft j is ``counts[j] / totals[j]``, seen after a
+        matched context of ``depths[j]`` tokens."""
+        toks, counts, totals, depths = [], [], [], []
         depth, link, best, out, count, token = self.depth, self.link, self.best, self.out, self.count, self.token
         D = self.max_depth
         for _ in range(k):
@@ -267,8 +268,9 @@ class SuffixIndex:
             toks.append(token[b])
             counts.append(count[b])
             totals.append(out[node])
+            depths.append(depth[node])
             node = b
-        return toks, counts, totals
+        return toks, counts, totals, depths
 
     def node_string(self, node: int) -> list[int]:
         """The token string of ``node`` (tests and debugging)."""

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark.engine.sidebyside import (Level, Prompt, Recorder, drive, level_prompts, levels_for, plan_levels,
-                                      resolve_systems)
+                                      resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
                                              paired_median_ratio, percentile, split_by_task, summarise, write_report)
 
@@ -181,3 +181,20 @@ def test_drive_keeps_at_most_concurrency_requests_in_flight_and_admits_one_per_s
     assert rids == [f"t-{i}" for i in range(7)] and secs >= 0
     assert max(peak) == 3 and peak[:3] == [1, 2, 3]  # arrivals one per step until 3 run
     assert not running
+
+
+def test_run_order_by_level_puts_a_levels_systems_back_to_back_and_rotates_them():
+    levels = plan_levels([1, 4], [0.0], 3, 256, 128, 1.0)
+    plan = run_order(["a", "b", "c"], levels, rounds=2, by_level=True, few=["c"], few_rounds=1)
+    assert [(r, s, lv[0].batch) for r, s, lv in plan] == [
+        (0, "a", 1), (0, "b", 1), (0, "c", 1), (0, "b", 4), (0, "c", 4), (0, "a", 4),
+        (1, "b", 1), (1, "a", 1), (1, "a", 4), (1, "b", 4)], "c runs in the first round only"
+    by_system = run_order(["a", "b"], levels, rounds=2, by_level=False)
+    assert [(r, s, len(lv)) for r, s, lv in by_system] == [(0, "a", 2), (0, "b", 2), (1, "b", 2), (1, "a", 2)]
+
+
+def test_peer_batches_limit_the_peers_not_our_systems():
+    levels = plan_levels([1, 4, 16], [0.0], 3, 256, 128, 1.0)
+    assert levels_for("vllm_ngram", levels, peer_batches=[1]) == levels[:1]
+    assert levels_for("hf_generate", levels, peer_batches=[1, 16]) == [levels[0], levels[2]]
+    assert levels_for("ours_target_only", levels, peer_batches=[1]) == levels

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.engine.proposers import SuffixConfig, SuffixIndex, SuffixProposer
-from dspark.engine.proposers.suffix import continuation_logit
+from dspark.engine.proposers.suffix import OnlineCalibration, continuation_logit
 from dspark.engine.proposers.suffix_index import ROOT
 
 streams = st.lists(st.integers(0, 3), min_size=0, max_size=40)
@@ -123,7 +123,7 @@ def test_match_and_advance_give_the_longest_suffix_in_the_index(seqs, query, D):
 def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffix(seq, D, min_match):
     ix = SuffixIndex(D)
     sid = ix.add_sequence(seq)
-    toks, counts, totals = ix.draft(ix.last_node(sid), 1, min_match)
+    toks, counts, totals, depths = ix.draft(ix.last_node(sid), 1, min_match)
     _, cont = brute_counts([seq], D)
     # the longest suffix (shorter than D, at least min_match) that occurred followed by a token
     ms = [m for m in range(min_match, min(D - 1, len(seq)) + 1) if cont[tuple(seq[-m:])] > 0]
@@ -134,14 +134,16 @@ def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffi
     followers = Counter(seq[i] for i in range(len(w), len(seq)) if tuple(seq[i - len(w):i]) == w)
     assert counts[0] == max(followers.values()) and followers[toks[0]] == counts[0]
     assert totals[0] == sum(followers.values()), "the confidence's denominator counts continued occurrences"
+    assert depths[0] == len(w), "the first draft is matched on the longest such suffix"
 
 
 def test_drafts_continue_a_repeated_pattern_and_back_off_past_the_depth():
     ix = SuffixIndex(4)
     sid = ix.add_sequence([9, 1, 2, 3, 4, 5, 6, 9, 1, 2])
-    toks, counts, totals = ix.draft(ix.last_node(sid), 6)
+    toks, counts, totals, depths = ix.draft(ix.last_node(sid), 6)
     assert toks == [3, 4, 5, 6, 9, 1]  # longer than D - match: the walk backs off along suffix links
     assert counts == totals  # every step seen once, followed once
+    assert depths == [3] * 6, "matched on '9 1 2', then each step backs off from depth D=4 to its 3-token suffix"
 
 
 def test_shared_ring_memory_stays_under_its_bound_over_a_long_run():
@@ -237,21 +239,34 @@ def test_online_calibration_moves_from_the_raw_confidence_to_the_observed_surviv
     sp.reset(0, seq)
     before = sp.propose([0])
     z, z1 = before.conf_logits[0].tolist()
-    assert before.confidence[0, 0].item() == pytest.approx(2.5 / 4), "no evidence yet: the raw confidence"
-    for _ in range(96):  # drafts in this bin at position 0 survive one time in four
-        sp.observe([z, z1], verified=2, accepted=0)
+    raw = 2.5 / 4
+    assert before.confidence[0, 0].item() == pytest.approx(raw), "no evidence yet: the raw confidence"
+    for _ in range(96):  # drafts in this cell at position 0 survive one time in four
+        sp.observe(0, [z, z1], verified=2, accepted=0)
     for _ in range(32):
-        sp.observe([z, z1], verified=2, accepted=1)
+        sp.observe(0, [z, z1], verified=2, accepted=1)
     after = sp.propose([0])
     assert torch.equal(after.tokens, before.tokens), "calibration changes confidences, never drafts"
-    assert after.confidence[0, 0].item() == pytest.approx((32 + 4 * 2.5 / 4) / (128 + 4))
+    pooled = (32 + 4 * raw) / (128 + 4)  # position 0, this logit bin, any depth
+    assert after.confidence[0, 0].item() == pytest.approx((32 + 4 * pooled) / (128 + 4))
     # position 1 was tested only where draft 0 survived (32 times), and never survived itself
     assert sp.calibration.tested[1][sp.calibration._bin(z1)] == 32
     assert after.confidence[0, 1].item() < 0.1
     # unverified drafts teach nothing
     frozen = [row[:] for row in sp.calibration.tested]
-    sp.observe([z, z1], verified=0, accepted=0)
+    sp.observe(0, [z, z1], verified=0, accepted=0)
     assert sp.calibration.tested == frozen
+
+
+def test_online_calibration_tells_deep_matches_from_shallow_ones_at_the_same_counts():
+    cal = OnlineCalibration(positions=1)
+    z = continuation_logit(1, 1)  # a continuation seen once: the same raw logit at any depth
+    for i in range(200):
+        cal.observe([z], [14], verified=1, accepted=int(i % 10 != 0))  # deep matches survive 9 times in 10
+        cal.observe([z], [2], verified=1, accepted=int(i % 10 == 0))  # shallow ones 1 time in 10
+    deep, shallow = cal.confidence(z, 0, 14), cal.confidence(z, 0, 2)
+    assert deep == pytest.approx(0.9, abs=0.03) and shallow == pytest.approx(0.1, abs=0.03)
+    assert cal.confidence(z, 0, 6) == pytest.approx(0.5, abs=0.03), "an unseen depth falls back to its position's rate"
 
 
 def test_config_refuses_bad_settings():
