@@ -24,8 +24,9 @@ chance), so the proposer calibrates: with per-position STS temperatures ``T_j`` 
 (``engine/sts.py``: ``fit_sts`` on replayed rounds; ``scripts/replay_suffix.py`` fits them)
 the confidence is ``sigmoid(z / T_j)``; without them, online (``OnlineCalibration``): the
 observed survival rate of this engine's verified drafts at the same position, matched depth
-and raw-logit bin, shrunk towards coarser cells and ``sigmoid(z)`` while there are few. Of the two candidates (own, shared)
-the one with more expected accepted drafts (sum of cumulative confidences) is proposed.
+and raw-logit bin, shrunk towards coarser cells and ``sigmoid(z)`` while there are few. Of the
+two candidates (own, shared) the one with more expected accepted drafts (sum of cumulative
+confidences) is proposed.
 
 Drafts are point masses (``DraftBatch.probs`` is None): the proposal is a deterministic
 function of the committed tokens, so verification with a one-hot draft distribution is
