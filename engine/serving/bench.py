@@ -172,7 +172,9 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
           log=print, metrics_url: str | None = None) -> list[dict]:
     """Every concurrency level runs each system back to back, ``repeats`` times, the order
     alternating from one round to the next, so the runs compared at a level ran minutes apart on
-    the same host state. A (system, level) row is its median-throughput run (``combine_runs``).
+    the same host state. Each round of each level sends prompts no earlier round sent (both
+    systems the same ones), while ``prompts`` last: a server's shared suffix index holds the
+    answers it gave, and a repeated prompt would be drafted from its own earlier answer. A (system, level) row is its median-throughput run (``combine_runs``).
     ``metrics_url`` (Triton's ``/metrics``): each run also gets ``by_proposer``, the rounds,
     drafts and accepted tokens by proposer over that run, and their accept_len."""
     if repeats < 1:
@@ -181,13 +183,19 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
         run_level(url, SYSTEMS[system], prompts[:1], 1, 1, min(max_tokens, 8), temperature)  # warm-up
     rows = []
     rounds = 0
+    cursor = 1  # prompts[0] warmed the servers up
     for c in concurrencies:
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for _ in range(repeats):
+            n = num_requests or max(2 * c, MIN_REQUESTS)
+            chosen = [prompts[(cursor + i) % len(prompts)] for i in range(n)]
+            if cursor + n > len(prompts) >= cursor:
+                log(f"warning: {len(prompts)} prompts run out at concurrency {c}: from here prompts repeat, and a "
+                    "server whose shared suffix index saw a prompt's answer drafts it back (pass more --prompts)")
+            cursor += n
             for system in (systems if rounds % 2 == 0 else systems[::-1]):
-                n = num_requests or max(2 * c, MIN_REQUESTS)
                 before = scrape_proposer_counters(metrics_url)
-                results, wall = run_level(url, SYSTEMS[system], prompts, c, n, max_tokens, temperature)
+                results, wall = run_level(url, SYSTEMS[system], chosen, c, n, max_tokens, temperature)
                 if before is not None:
                     time.sleep(0.5)  # the model publishes its counters on its 0.1 s poll
                 row = summarize(system, c, results, wall)

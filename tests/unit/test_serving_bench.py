@@ -136,3 +136,21 @@ def test_proposer_counters_are_published_as_increments_and_read_back_per_run():
     assert bench.proposer_window(None, after) is None
     assert bench.scrape_proposer_counters(None) is None
     assert bench.scrape_proposer_counters("http://127.0.0.1:9/metrics", timeout=0.5) is None  # unreachable: None
+
+
+def test_every_round_of_every_level_sends_prompts_no_earlier_round_sent(monkeypatch):
+    sent = []
+
+    def fake_level(url, model, prompts, concurrency, num_requests, max_tokens, temperature):
+        sent.append((model, [prompts[i % len(prompts)] for i in range(num_requests)]))
+        return [result(0.0, 0.1, 1.1, max_tokens)], 1.0
+    monkeypatch.setattr(bench, "run_level", fake_level)
+    pool = [f"p{i}" for i in range(100)]
+    bench.sweep("u", pool, [1, 4], ["spec", "target_only"], 8, repeats=2, log=lambda *_: None)
+    rounds = sent[2:]  # after the two warm-ups on p0
+    assert [p for _, p in rounds[0::2]] == [p for _, p in rounds[1::2]], "both systems of a round get the same prompts"
+    fresh = [q for _, p in rounds[0::2] for q in p]
+    assert len(fresh) == 4 * bench.MIN_REQUESTS and len(set(fresh)) == len(fresh) and "p0" not in fresh
+    warned = []
+    bench.sweep("u", pool[:20], [1, 4], ["spec"], 8, repeats=1, log=warned.append)
+    assert sum("run out" in w for w in warned) == 1
