@@ -517,35 +517,36 @@ class SpecEngine:
 
     def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out, L: int) -> None:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
+        # host lists up front: indexing a tensor per row costs microseconds, times 64 rows per step
         n_acc = res.num_accepted.cpu().tolist()
         lens_l = lens.tolist()
+        has = [n > 0 for n in batch.lens.cpu().tolist()]
         if self.gate is not None and self.neural is not None:
-            mine = [i for i in range(len(reqs)) if batch.source_of(i) == self.neural.name and batch.lens[i] > 0]
+            mine = [i for i in range(len(reqs)) if has[i] and batch.source_of(i) == self.neural.name]
             if mine:
                 self.gate.observe(len(mine), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         if self.suffix_gate is not None and self._suffix_looked:  # every row looked up paid for it
-            mine = [i for i in self._suffix_looked if batch.source_of(i) == self.suffix.name and batch.lens[i] > 0]
+            mine = [i for i in self._suffix_looked if has[i] and batch.source_of(i) == self.suffix.name]
             self.suffix_gate.observe(len(self._suffix_looked), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
-        emitted = res.output_tokens.cpu()
+        emitted = res.output_tokens.cpu().tolist()
         aux_host = out.aux[:, : L + 1].float().cpu() if self.need_features else None  # one copy, one sync
-        conf_logits = batch.conf_logits.cpu() if batch.conf_logits is not None else None
+        conf_logits = batch.conf_logits.cpu().tolist() if batch.conf_logits is not None else None
         conf = conf_logits if self.cfg.record_rounds else None
+        lengths = self.runner.lengths.tolist()
         self.stats.decode_steps += 1
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
-            new = emitted[i, : n + 1].tolist()
-            base = int(self.runner.lengths[r.slot])
-            self.runner.set_length(r.slot, base + n + 1)
+            new = emitted[i][: n + 1]
+            self.runner.set_length(r.slot, lengths[r.slot] + n + 1)
             r.steps += 1
             r.drafted += l_
             r.accepted += n
-            source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"
+            source = batch.source_of(i) if has[i] else "none"
             self.stats.record_round(source, l_, n)
             if l_ > 0 and conf_logits is not None and source in self._by_name:
-                self._by_name[source].observe(r.slot, conf_logits[i, :l_].tolist(), l_, n)
+                self._by_name[source].observe(r.slot, conf_logits[i][:l_], l_, n)
             if self.cfg.record_rounds:
-                has_conf = conf is not None and int(batch.lens[i]) > 0
-                self.rounds.append(RoundRecord(r.rid, l_, n, conf[i].tolist() if has_conf else None))
+                self.rounds.append(RoundRecord(r.rid, l_, n, conf[i] if conf is not None and has[i] else None))
             self._commit_to_proposers(r.slot, new, aux_host, i, n + 1)
             r.anchor = new[-1]
             self._emit(r, new)

@@ -271,19 +271,18 @@ class SuffixProposer(Proposer):
 
     def propose(self, slots: Sequence[int], temperature: torch.Tensor | None = None, noise=None) -> DraftBatch:
         """Point-mass drafts for ``slots`` (``temperature`` and ``noise`` are not needed)."""
-        R, K = len(slots), self.max_drafts
-        tokens = torch.zeros(R, K, dtype=torch.long)
-        logits = torch.zeros(R, K)
-        confidence = torch.zeros(R, K)
-        lens = torch.zeros(R, dtype=torch.long)
-        for r, s in enumerate(slots):
+        K = self.max_drafts
+        tokens, logits, confidence, lens = [], [], [], []
+        for s in slots:  # padded host lists, one tensor each at the end (not a tensor write per row)
             cand = self.propose_one(s)
             self._slots[s].proposed_depths = cand.depths
-            n = len(cand.tokens)
-            lens[r] = n
-            if n:
-                tokens[r, :n] = torch.tensor(cand.tokens)
-                logits[r, :n] = torch.tensor(cand.logits)
-                confidence[r, :n] = torch.tensor(cand.confidence)
-        return DraftBatch(tokens=tokens, lens=lens, confidence=confidence, probs=None, conf_logits=logits,
-                          source=self.name)
+            pad = [0] * (K - len(cand.tokens))
+            lens.append(len(cand.tokens))
+            tokens.append(cand.tokens + pad)
+            logits.append(cand.logits + pad)
+            confidence.append(cand.confidence + pad)
+        R = len(slots)
+        return DraftBatch(tokens=torch.tensor(tokens, dtype=torch.long).reshape(R, K),
+                          lens=torch.tensor(lens, dtype=torch.long),
+                          confidence=torch.tensor(confidence, dtype=torch.float32).reshape(R, K), probs=None,
+                          conf_logits=torch.tensor(logits, dtype=torch.float32).reshape(R, K), source=self.name)
