@@ -198,6 +198,26 @@ def drive(prompts: Sequence[Sequence[int]], concurrency: int, submit: Callable[[
 
 
 # -- why a row is as fast as it is -------------------------------------------------------------------------
+ROUND_PHASES = ("neural", "suffix", "verify", "host")
+
+
+def attribute_step(totals: dict[str, dict[str, float]], deltas: dict[str, float], rids: Sequence[str]) -> None:
+    """Add one engine step's decode time by phase to ``totals[rid]`` of each of its decode rows,
+    an equal share each. ``deltas``: the step's seconds by ``EngineProbe.PHASES``; its decode
+    time is ``step - prefill``, of which ``host`` is what neural, suffix and verify leave. A
+    step without decode rows (prompt work only) is nobody's round."""
+    if not rids:
+        return
+    decode = deltas["step"] - deltas["prefill"]
+    split = {p: deltas[p] for p in ("neural", "suffix", "verify")}
+    split["host"] = decode - sum(split.values())
+    share = 1.0 / len(rids)
+    for rid in rids:
+        row = totals[rid]
+        for p, sec in split.items():
+            row[p] += sec * share
+
+
 class EngineProbe:
     """Times one ``SpecEngine``'s phases and records every verify round by request and proposer.
 
@@ -206,7 +226,11 @@ class EngineProbe:
     wrapped calls compute exactly what they did. The split of a decode step: ``neural`` (the
     drafter pass), ``suffix`` (suffix lookups), ``verify`` (the target forward, with any prompt
     chunks fused into it, and the verify rule), ``host`` (the rest); ``prefill`` is the time of
-    steps' prompt work outside the verify pass."""
+    steps' prompt work outside the verify pass.
+
+    Per request it also keeps each decode step's split, shared equally among the step's rows
+    (``attribute_step``): a task's ms per round by phase (``round_ms_of``), which one request
+    at a time is exactly its steps' split."""
 
     PHASES = ("step", "prefill", "verify", "neural", "suffix")
 
@@ -219,7 +243,20 @@ class EngineProbe:
         # rid -> proposer -> [rounds, drafted, accepted]; proposer -> verify-length counts
         self.by_request: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
         self.hist: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        self.row_seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # rid -> phase -> s
+        self._step_rids: list[str] = []
         self._timed(engine, "step", "step")
+        timed_step = engine.step
+
+        def attributed_step(*args, **kwargs):
+            before = dict(self.seconds)
+            self._step_rids = []
+            try:
+                return timed_step(*args, **kwargs)
+            finally:
+                deltas = {p: self.seconds[p] - before.get(p, 0.0) for p in self.PHASES}
+                attribute_step(self.row_seconds, deltas, self._step_rids)
+        engine.step = attributed_step
         self._timed(engine, "_prefill", "prefill")  # committing prompt chunks, first tokens
         if hasattr(engine, "_prefill_forward"):  # the target over prompt chunks when they run alone
             self._timed(engine, "_prefill_forward", "prefill")
@@ -243,6 +280,7 @@ class EngineProbe:
                 h.extend([0] * (l_ + 1 - len(h)))
                 h[l_] += 1
             self.decode_steps += 1
+            self._step_rids = [r.rid for r in reqs]
             return commit(reqs, batch, lens, res, *rest)
         engine._commit = recording_commit
 
@@ -273,6 +311,19 @@ class EngineProbe:
                 s["verify_len_hist"].extend([0] * (len(h) - len(s["verify_len_hist"])))
                 for l_, c in enumerate(h):
                     s["verify_len_hist"][l_] += c
+        return out
+
+    def round_ms_of(self, rids: Sequence[str]) -> dict | None:
+        """ms per verify round over ``rids`` by phase (each round a row's equal share of its step)."""
+        rounds = sum(n for rid in rids for n, _, _ in self.by_request.get(rid, {}).values())
+        if not rounds:
+            return None
+        out = {p: 0.0 for p in ROUND_PHASES}
+        for rid in rids:
+            for p, sec in self.row_seconds.get(rid, {}).items():
+                out[p] += 1000 * sec / rounds
+        out["total"] = sum(out[p] for p in ROUND_PHASES)
+        out["rounds"] = rounds
         return out
 
     def step_ms(self) -> dict:
@@ -410,7 +461,7 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
         by_task["overall"] = rids
         proposers = {t: probe.proposers_of(r) for t, r in by_task.items()} if system not in OURS_TARGET_ONLY else None
         results.append({"seconds": secs, "request_records": records, "proposers": proposers,
-                        "step_ms": probe.step_ms()})
+                        "step_ms": probe.step_ms(), "round_ms": {t: probe.round_ms_of(r) for t, r in by_task.items()}})
     info = threads.describe()
     info["attention"] = "varlen" if getattr(eng.runner, "varlen", False) else "sdpa"
     info["dtype"] = str(dtype).removeprefix("torch.")

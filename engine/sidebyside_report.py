@@ -170,7 +170,8 @@ def summarise(raw: dict[str, list[dict]], few: Iterable[str] = ()) -> tuple[list
                     "x_target_only": paired_median_ratio(mine, by_round(ob)) if ours_base else None,
                     "x_vllm_target_only": paired_median_ratio(mine, by_round(vb)) if vllm_base else None,
                     "threads": info.get("threads"), "pinning": info.get("pinning"),
-                    "proposers": (per[mid].get("proposers") or {}).get(task)})
+                    "proposers": (per[mid].get("proposers") or {}).get(task),
+                    "round_ms": (per[mid].get("round_ms") or {}).get(task)})
                 if task == OVERALL:
                     row["tokens_per_s"] = median([v for v in vals if v is not None])
                     row["step_ms"] = per[mid].get("step_ms")
@@ -232,6 +233,13 @@ def _proposer_cell(stats: dict | None) -> str:
     return ", ".join(parts) or "-"
 
 
+def _round_ms_cell(ms: dict | None) -> str:
+    """``1.2 / 0.1 / 40.3 / 1.5 = 43.1``: ms per verify round by phase and their sum."""
+    if not ms:
+        return "-"
+    return " / ".join(_f(ms.get(p)) for p in ("neural", "suffix", "verify", "host")) + f" = {_f(ms.get('total'))}"
+
+
 def write_report(report: dict, out_dir: Path, name: str) -> None:
     """``<name>.json``, ``<name>.md`` and ``<name>.png`` under ``out_dir``."""
     check_results_schema(report)
@@ -271,16 +279,20 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
     if report.get("task_results"):
         lines += ["", "## By task", "",
                   "Per task, tokens/s is the rate one request sees (the task's tokens over its requests' summed time in "
-                  "flight; one request at a time this is the task's throughput), and `x` its median same-round ratio.", "",
+                  "flight; one request at a time this is the task's throughput), and `x` its median same-round ratio. "
+                  "`ms/round` (our engine): a verify round's time split into the drafter pass, the suffix lookups, the "
+                  "target's verify pass and the host's other work, each round a row's equal share of its step (one "
+                  "request at a time, the step itself); tokens per round are accept_len.", "",
                   "| system | batch | T | task | requests | tokens/s per request | x ours target-only | x vLLM target-only | "
-                  "accept_len | = ours target-only | = vLLM fp32 | accepted per round by proposer (verify lengths) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "accept_len | = ours target-only | = vLLM fp32 | ms/round: neural / suffix / verify / host | "
+                  "accepted per round by proposer (verify lengths) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(report["task_results"], key=key):
             lines.append(f"| {r['system']} | {r['batch']} | {r['temperature']:g} | {r['task']} | {r['requests']} | "
                          f"{_f(r['request_tokens_per_s'])} | {_f(r['x_target_only'], '.2f')} | "
                          f"{_f(r['x_vllm_target_only'], '.2f')} | {_f(r['accept_len'], '.2f')} | "
                          f"{_pct(r['identical_to_target_only'])} | {_pct(r['identical_to_vllm_fp32'])} | "
-                         f"{_proposer_cell(r['proposers'])} |")
+                         f"{_round_ms_cell(r.get('round_ms'))} | {_proposer_cell(r['proposers'])} |")
     steps = [r for r in report["results"] if r.get("step_ms")]
     if steps:
         lines += ["", "## Where a decode step's time goes (our engine, median round)", "",

@@ -92,14 +92,14 @@ class OnlineCalibration:
     """Survival of verified drafts by position, matched depth and raw logit, learnt from the rounds verified so far.
 
     A draft at position j is *tested* when every draft before it was accepted and it was
-    verified. Two tables count tested and survived drafts: one per (j, raw-logit bin), one per
-    (j, depth bin, raw-logit bin), the depth being how many tokens of context the draft was
-    matched on (a continuation after a 12-token match in a text that repeats itself survives
-    far more often than one after 2 tokens, at the same counts). The confidence of a draft is
-    the second table's rate shrunk towards the first's, the first's shrunk towards
-    ``sigmoid(z)``: ``c1 = (s1 + p sigmoid(z)) / (t1 + p)``, ``c = (s2 + p c1) / (t2 + p)``:
-    ``sigmoid(z)`` until there is evidence, the observed rate of its own cell once there is
-    plenty, its position's and logit's rate in between."""
+    verified. Tables count tested and survived drafts per (j, depth bin, raw-logit bin), the
+    depth being how many tokens of context the draft was matched on (a continuation after a
+    12-token match in a text that repeats itself survives far more often than one after 2
+    tokens, at the same counts); their sums over depth bins are the (j, raw-logit bin) counts.
+    The confidence of a draft is its own cell's rate shrunk towards the (j, logit bin) rate,
+    that one shrunk towards ``sigmoid(z)``: ``c1 = (s1 + p sigmoid(z)) / (t1 + p)``,
+    ``c = (s2 + p c1) / (t2 + p)``: ``sigmoid(z)`` until there is evidence, the observed rate of
+    its own cell once there is plenty, its position's and logit's rate in between."""
 
     EDGES = (-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)  # bin boundaries on the raw logit
     DEPTH_EDGES = (3, 5, 8, 12)  # bin boundaries on the matched depth (tokens)
@@ -109,10 +109,13 @@ class OnlineCalibration:
             raise ValueError(f"need positions >= 1 and prior > 0, got {positions}, {prior}")
         self.prior = prior
         bins, dbins = len(self.EDGES) + 1, len(self.DEPTH_EDGES) + 1
-        self.tested = [[0] * bins for _ in range(positions)]
-        self.survived = [[0] * bins for _ in range(positions)]
-        self.tested_at = [[[0] * bins for _ in range(dbins)] for _ in range(positions)]
+        self.tested_at = [[[0] * bins for _ in range(dbins)] for _ in range(positions)]  # [j][depth bin][logit bin]
         self.survived_at = [[[0] * bins for _ in range(dbins)] for _ in range(positions)]
+
+    @property
+    def tested(self) -> list[list[int]]:
+        """Tested drafts per (position, raw-logit bin): the per-depth counts summed over depth bins."""
+        return [[sum(col) for col in zip(*by_depth)] for by_depth in self.tested_at]
 
     @classmethod
     def _bin(cls, z: float) -> int:
@@ -125,15 +128,15 @@ class OnlineCalibration:
     def confidence(self, z: float, j: int, depth: int) -> float:
         b, d, p = self._bin(z), self._depth_bin(depth), self.prior
         raw = 1.0 / (1.0 + math.exp(-z))
-        pooled = (self.survived[j][b] + p * raw) / (self.tested[j][b] + p)
+        tested = sum(row[b] for row in self.tested_at[j])
+        survived = sum(row[b] for row in self.survived_at[j])
+        pooled = (survived + p * raw) / (tested + p)
         return (self.survived_at[j][d][b] + p * pooled) / (self.tested_at[j][d][b] + p)
 
     def observe(self, logits: Sequence[float], depths: Sequence[int], verified: int, accepted: int) -> None:
         """One round: drafts ``0..accepted`` (within ``verified``) were tested, the first ``accepted`` survived."""
-        for j in range(min(accepted + 1, verified, len(logits), len(depths), len(self.tested))):
+        for j in range(min(accepted + 1, verified, len(logits), len(depths), len(self.tested_at))):
             b, d, ok = self._bin(float(logits[j])), self._depth_bin(int(depths[j])), int(j < accepted)
-            self.tested[j][b] += 1
-            self.survived[j][b] += ok
             self.tested_at[j][d][b] += 1
             self.survived_at[j][d][b] += ok
 

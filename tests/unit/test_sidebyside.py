@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from dspark.engine.sidebyside import (Level, Prompt, Recorder, drive, level_prompts, levels_for, plan_levels,
-                                      resolve_systems, run_order)
+from collections import defaultdict
+
+from dspark.engine.sidebyside import (Level, Prompt, Recorder, attribute_step, drive, level_prompts, levels_for,
+                                      plan_levels, resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
                                              paired_median_ratio, percentile, split_by_task, summarise, write_report)
 
@@ -198,3 +200,15 @@ def test_peer_batches_limit_the_peers_not_our_systems():
     assert levels_for("vllm_ngram", levels, peer_batches=[1]) == levels[:1]
     assert levels_for("hf_generate", levels, peer_batches=[1, 16]) == [levels[0], levels[2]]
     assert levels_for("ours_target_only", levels, peer_batches=[1]) == levels
+
+
+def test_a_steps_decode_time_is_shared_equally_by_its_rows_and_host_is_what_the_phases_leave():
+    totals = defaultdict(lambda: defaultdict(float))
+    step = {"step": 0.100, "prefill": 0.020, "verify": 0.060, "neural": 0.008, "suffix": 0.002}
+    attribute_step(totals, step, ["a", "b"])
+    attribute_step(totals, {**step, "neural": 0.0}, ["a"])  # a lone row gets the whole step
+    attribute_step(totals, step, [])  # prompt work only: nobody's round
+    assert set(totals) == {"a", "b"}
+    assert totals["b"] == pytest.approx({"neural": 0.004, "suffix": 0.001, "verify": 0.030, "host": 0.005})
+    assert totals["a"] == pytest.approx({"neural": 0.004, "suffix": 0.003, "verify": 0.090, "host": 0.023})
+    assert sum(totals["a"].values()) + sum(totals["b"].values()) == pytest.approx(2 * (0.100 - 0.020))
