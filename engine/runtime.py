@@ -458,7 +458,7 @@ class SpecEngine:
         if self.suffix is not None:
             looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs])
             if looked:
-                suffix = _scatter(self.suffix.propose([slots[i] for i in looked]), looked, R)
+                suffix = _scatter(self.suffix.propose([slots[i] for i in looked], temps[looked]), looked, R)
                 for i in looked:
                     reqs[i].last_suffix = self.stats.decode_steps
             self._suffix_looked = looked

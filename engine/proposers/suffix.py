@@ -24,7 +24,10 @@ chance), so the proposer calibrates: with per-position STS temperatures ``T_j`` 
 (``engine/sts.py``: ``fit_sts`` on replayed rounds; ``scripts/replay_suffix.py`` fits them)
 the confidence is ``sigmoid(z / T_j)``; without them, online (``OnlineCalibration``): the
 observed survival rate of this engine's verified drafts at the same position, matched depth
-and raw-logit bin, shrunk towards coarser cells and ``sigmoid(z)`` while there are few. Of the
+and raw-logit bin, shrunk towards coarser cells and ``sigmoid(z)`` while there are few; kept
+apart for greedy and sampled rows (a point-mass draft survives a greedy verify iff it is the
+target's argmax, a sampled one with the target's probability of it, which is lower), so a
+server that mostly decodes greedily does not overrate the drafts of its sampled requests. Of the
 two candidates (own, shared) the one with more expected accepted drafts (sum of cumulative
 confidences) is proposed.
 
@@ -150,6 +153,7 @@ class _Slot:
     shared_node: int = ROOT  # cursor: longest suffix of ``tokens`` in the shared index
     shared_version: int = -1  # the shared index's version the cursor is valid for
     proposed_depths: list[int] = field(default_factory=list)  # matched depths of the last proposal's drafts
+    proposed_sampled: bool = False  # whether the last proposal was for a sampled (T > 0) row
 
 
 @dataclass
@@ -183,7 +187,9 @@ class SuffixProposer(Proposer):
             if len(temps) < self.max_drafts or not all(math.isfinite(t) and t > 0 for t in temps):
                 raise ValueError(f"need {self.max_drafts} finite STS temperatures > 0, got {temps}")
             self.temps = temps[: self.max_drafts]
-        self.calibration = OnlineCalibration(self.max_drafts) if self.temps is None else None
+        # online calibration when no STS temperatures are given: one for greedy rows, one for sampled ones
+        self.calibrations = ((OnlineCalibration(self.max_drafts), OnlineCalibration(self.max_drafts))
+                             if self.temps is None else None)
         self.shared = SuffixIndex(self.cfg.max_depth) if self.cfg.scope == "shared" else None
         self._ring: deque[int] = deque()  # shared sequence ids, oldest first
         self._slots: dict[int, _Slot] = {}
@@ -218,8 +224,8 @@ class SuffixProposer(Proposer):
 
     def observe(self, slot: int, conf_logits: Sequence[float], verified: int, accepted: int) -> None:
         st = self._slots.get(slot)
-        if self.calibration is not None and st is not None:
-            self.calibration.observe(conf_logits, st.proposed_depths, verified, accepted)
+        if self.calibrations is not None and st is not None:
+            self.calibrations[st.proposed_sampled].observe(conf_logits, st.proposed_depths, verified, accepted)
 
     # -- the shared ring -----------------------------------------------------------------------------
     def add_shared(self, tokens: Sequence[int]) -> None:
@@ -243,14 +249,14 @@ class SuffixProposer(Proposer):
         return len(self._ring)
 
     # -- drafting ------------------------------------------------------------------------------------
-    def _candidate(self, index: SuffixIndex, node: int, k: int) -> _Candidate:
+    def _candidate(self, index: SuffixIndex, node: int, k: int, sampled: bool) -> _Candidate:
         toks, counts, totals, depths = index.draft(node, k, self.cfg.min_match)
         cand = _Candidate(tokens=toks, depths=depths)
         for j, (n_c, n) in enumerate(zip(counts, totals)):
             z = continuation_logit(n_c, n)
             cand.logits.append(z)
-            if self.calibration is not None:
-                cand.confidence.append(self.calibration.confidence(z, j, depths[j]))
+            if self.calibrations is not None:
+                cand.confidence.append(self.calibrations[sampled].confidence(z, j, depths[j]))
             else:
                 cand.confidence.append(1.0 / (1.0 + math.exp(-z / self.temps[j])))
         return cand
@@ -261,24 +267,28 @@ class SuffixProposer(Proposer):
             st.shared_version = self.shared.version
         return st.shared_node
 
-    def propose_one(self, slot: int, k: int | None = None) -> _Candidate:
-        """The better of the own-text and shared-index candidates for one slot (up to ``k`` drafts)."""
+    def propose_one(self, slot: int, k: int | None = None, sampled: bool = False) -> _Candidate:
+        """The better of the own-text and shared-index candidates for one slot (up to ``k`` drafts),
+        confidences calibrated for a greedy or a ``sampled`` row."""
         k = self.max_drafts if k is None else min(k, self.max_drafts)
         st = self._slots[slot]
-        best = self._candidate(st.own, st.own.last_node(st.own_seq), k)
+        best = self._candidate(st.own, st.own.last_node(st.own_seq), k, sampled)
         if self.shared is not None and self.shared.num_tokens:
-            other = self._candidate(self.shared, self._shared_cursor(st), k)
+            other = self._candidate(self.shared, self._shared_cursor(st), k, sampled)
             if other.expected_accepts > best.expected_accepts:
                 best = other
         return best
 
     def propose(self, slots: Sequence[int], temperature: torch.Tensor | None = None, noise=None) -> DraftBatch:
-        """Point-mass drafts for ``slots`` (``temperature`` and ``noise`` are not needed)."""
+        """Point-mass drafts for ``slots``; ``temperature`` [R] (None: all greedy) picks each row's
+        calibration (``noise`` is not needed: the drafts are not sampled)."""
         K = self.max_drafts
+        sampled = [False] * len(slots) if temperature is None else (temperature.cpu() > 0).tolist()
         tokens, logits, confidence, lens = [], [], [], []
-        for s in slots:  # padded host lists, one tensor each at the end (not a tensor write per row)
-            cand = self.propose_one(s)
+        for s, hot in zip(slots, sampled):  # padded host lists, one tensor each at the end (not a write per row)
+            cand = self.propose_one(s, sampled=hot)
             self._slots[s].proposed_depths = cand.depths
+            self._slots[s].proposed_sampled = hot
             pad = [0] * (K - len(cand.tokens))
             lens.append(len(cand.tokens))
             tokens.append(cand.tokens + pad)

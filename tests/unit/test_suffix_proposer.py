@@ -250,12 +250,28 @@ def test_online_calibration_moves_from_the_raw_confidence_to_the_observed_surviv
     pooled = (32 + 4 * raw) / (128 + 4)  # position 0, this logit bin, any depth
     assert after.confidence[0, 0].item() == pytest.approx((32 + 4 * pooled) / (128 + 4))
     # position 1 was tested only where draft 0 survived (32 times), and never survived itself
-    assert sp.calibration.tested[1][sp.calibration._bin(z1)] == 32
+    assert sp.calibrations[False].tested[1][OnlineCalibration._bin(z1)] == 32
     assert after.confidence[0, 1].item() < 0.1
     # unverified drafts teach nothing
-    frozen = [row[:] for row in sp.calibration.tested]
+    frozen = sp.calibrations[False].tested
     sp.observe(0, [z, z1], verified=0, accepted=0)
-    assert sp.calibration.tested == frozen
+    assert sp.calibrations[False].tested == frozen
+
+
+def test_greedy_and_sampled_rows_are_calibrated_apart():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]
+    sp = SuffixProposer(SuffixConfig(max_drafts=2, min_match=2, max_depth=3, scope="request"))
+    sp.reset(0, seq)
+    greedy, hot = torch.tensor([0.0]), torch.tensor([1.0])
+    before = sp.propose([0], hot)
+    z = before.conf_logits[0].tolist()
+    for _ in range(64):  # every sampled round rejects the first draft
+        sp.propose([0], hot)
+        sp.observe(0, z, verified=2, accepted=0)
+    assert sp.propose([0], hot).confidence[0, 0].item() < 0.1
+    g = sp.propose([0], greedy)
+    assert g.confidence[0, 0].item() == pytest.approx(before.confidence[0, 0].item()), "greedy rows learnt nothing"
+    assert sp.propose([0]).confidence[0, 0].item() == pytest.approx(g.confidence[0, 0].item()), "no temperature: greedy"
 
 
 def test_online_calibration_tells_deep_matches_from_shallow_ones_at_the_same_counts():
