@@ -18,11 +18,13 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
 
 Every run of a system starts a fresh engine (vLLM's caches start empty; our shared suffix index
 starts empty, or with ``--history N``: holding the outputs of N earlier requests on prompts that
-no level uses, the steady state of a server that has served them), and
-every run is a process of its own, ``--rounds`` rounds in rotating order: by default
-(``--order levels``) one process per system and level, a level's systems back to back, so
-the two runs of a same-round ratio are minutes apart on a host whose speed drifts
-(``run_order``). Levels: for
+no level uses, the steady state of a server that has served them), ``--rounds`` rounds in
+rotating order (``run_order``). By default (``--order lockstep``) our systems run a level in
+one process on one loaded target, one engine step of each in turn (``lockstep``), each timed
+by its own steps only: the host's speed drifts by tens of percent over seconds to minutes,
+and lockstep puts the same drift on both sides of our same-round ratios. Each peer runs a
+level in a process of its own, right before or after ours. ``--order levels`` gives every
+system and level its own process; ``--order systems`` one process per system and round. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
 arriving one per engine step until ``batch`` run, a finished one replaced by the next).
@@ -54,7 +56,7 @@ from typing import Callable, Iterable, Sequence
 from .sidebyside_report import TASKS, summarise, write_report
 
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
-           "drive", "EngineProbe", "build_parser", "main", "run_order"]
+           "Drive", "drive", "lockstep", "EngineProbe", "build_parser", "main", "run_order"]
 
 SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate",
            "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
@@ -144,18 +146,19 @@ def history_prompts(prompts_per_task: int, n: int, data_root: str | None = None)
 class Recorder:
     """Arrival times of every request's tokens -> per-request records (``sidebyside_report``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # seconds; a ``Drive`` sets its own clock
         self.submitted: dict[str, float] = {}
         self.events: dict[str, list[tuple[float, int]]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.counts: dict[str, tuple[int, int, int]] = {}  # rid -> (verify rounds, drafts verified, accepted)
 
     def submit(self, rid: str, now: float | None = None) -> None:
-        self.submitted[rid] = time.perf_counter() if now is None else now
+        self.submitted[rid] = self.clock() if now is None else now
 
     def arrive(self, rid: str, new: Sequence[int], now: float | None = None) -> None:
         if new:
-            self.events.setdefault(rid, []).append((time.perf_counter() if now is None else now, len(new)))
+            self.events.setdefault(rid, []).append((self.clock() if now is None else now, len(new)))
             self.tokens.setdefault(rid, []).extend(int(t) for t in new)
 
     def records(self, order: Sequence[tuple[str, str]]) -> list[dict]:
@@ -177,24 +180,71 @@ class Recorder:
         return out
 
 
+class Drive:
+    """One system's workload in flight, advanced one engine step at a time.
+
+    One new request per ``advance()`` while fewer than ``concurrency`` run, until all are done;
+    ``submit(rid, i)`` sends prompt i, ``step()`` runs one engine step and returns the ids that
+    finished in it. The drive keeps a clock of its own that runs only inside ``advance()``
+    (wall time less the time spent between its calls), and gives it to ``rec``: several drives
+    taking turns on one host (``lockstep``) are each timed by their own steps, as if alone,
+    while a slow spell of the host falls on all of them alike."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], concurrency: int, submit: Callable[[str, int], None],
+                 step: Callable[[], list[str]], busy: Callable[[], bool], rec: Recorder, tag: str) -> None:
+        self.rids = [f"{tag}-{i}" for i in range(len(prompts))]
+        self._pending = list(range(len(prompts)))
+        self._running: set[str] = set()
+        self._concurrency, self._submit, self._step, self._busy, self._rec = concurrency, submit, step, busy, rec
+        self._away = 0.0  # wall seconds between advance() calls, off this drive's clock
+        self._t0: float | None = None
+        self._left: float | None = None  # when advance() last returned
+        rec.clock = self.now
+
+    def now(self) -> float:
+        return time.perf_counter() - self._away
+
+    @property
+    def done(self) -> bool:
+        return not (self._pending or self._running or self._busy())
+
+    @property
+    def seconds(self) -> float:
+        """Seconds on this drive's clock from its first ``advance()`` to its last."""
+        return 0.0 if self._t0 is None else self._left - self._away - self._t0
+
+    def advance(self) -> None:
+        t = time.perf_counter()
+        if self._left is None:
+            self._t0 = t
+        else:
+            self._away += t - self._left
+        if self._pending and len(self._running) < self._concurrency:
+            i = self._pending.pop(0)
+            rid = self.rids[i]
+            self._rec.submit(rid)
+            self._submit(rid, i)
+            self._running.add(rid)
+        for rid in self._step():
+            self._running.discard(rid)
+        self._left = time.perf_counter()
+
+
 def drive(prompts: Sequence[Sequence[int]], concurrency: int, submit: Callable[[str, int], None],
           step: Callable[[], list[str]], busy: Callable[[], bool], rec: Recorder, tag: str) -> tuple[list[str], float]:
-    """In flight: one new request per ``step()`` while fewer than ``concurrency`` run, until all are
-    done. ``submit(rid, i)`` sends prompt i; ``step()`` returns the ids that finished in it.
-    -> (request ids in prompt order, wall seconds)."""
-    pending = list(range(len(prompts)))
-    running: set[str] = set()
-    t0 = time.perf_counter()
-    while pending or running or busy():
-        if pending and len(running) < concurrency:
-            i = pending.pop(0)
-            rid = f"{tag}-{i}"
-            rec.submit(rid)
-            submit(rid, i)
-            running.add(rid)
-        for rid in step():
-            running.discard(rid)
-    return [f"{tag}-{i}" for i in range(len(prompts))], time.perf_counter() - t0
+    """One ``Drive`` alone until it is done -> (request ids in prompt order, seconds)."""
+    d = Drive(prompts, concurrency, submit, step, busy, rec, tag)
+    lockstep([d])
+    return d.rids, d.seconds
+
+
+def lockstep(drives: Sequence[Drive]) -> None:
+    """Advance every unfinished drive by one step in turn until all are done."""
+    live = [d for d in drives if not d.done]
+    while live:
+        for d in live:
+            d.advance()
+        live = [d for d in live if not d.done]
 
 
 # -- why a row is as fast as it is -------------------------------------------------------------------------
@@ -398,9 +448,12 @@ def worker_history(spec: dict, temperatures: Sequence[float]) -> dict[str, list[
     return out
 
 
-def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]]) -> tuple[list[dict], dict]:
-    """Our engine: a fresh engine per level, an untimed warm-up on a prompt of its own first; the
-    suffix rows' shared index then holds the history's outputs at the level's temperature, if any."""
+def worker_ours(systems: Sequence[str], spec: dict,
+                work: list[tuple[Level, list[Prompt]]]) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Our engine's ``systems`` in this process, each level with a fresh engine per system (an
+    untimed warm-up on a prompt of its own first; the suffix rows' shared index then holds the
+    history's outputs at the level's temperature, if any). Several systems run a level in
+    ``lockstep``, one step of each in turn, on one loaded target. -> (results, info) by system."""
     from dspark.training.config import load_target_profile
     from dspark.training.target import load_target
 
@@ -412,61 +465,84 @@ def worker_ours(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
     import torch
 
     threads.configure(spec["threads"])
-    dtype = torch.bfloat16 if system.endswith("_bf16") else torch.float32
-    target = load_target(load_target_profile("smollm2-135m"), device="cpu", dtype=dtype)
-    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir"), target, with_drafter=system in NEEDS_DRAFTER)
+    targets: dict[torch.dtype, torch.nn.Module] = {}
+    for system in systems:
+        dtype = torch.bfloat16 if system.endswith("_bf16") else torch.float32
+        if dtype not in targets:
+            targets[dtype] = load_target(load_target_profile("smollm2-135m"), device="cpu", dtype=dtype)
+    target32 = targets.get(torch.float32)
+    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir"), target32,
+                                          with_drafter=any(s in NEEDS_DRAFTER for s in systems))
     if spec.get("sps"):
         sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
     base = EngineConfig(mode="spec", threads=spec["threads"], static_steps=spec["static_steps"],
                         suffix=SuffixConfig(max_drafts=spec["suffix_max_drafts"], scope=spec["suffix_scope"]))
     history = json.loads(Path(spec["history_path"]).read_text()) if spec.get("history_path") else {}
-    results = []
-    eng = None
-    for lv, prompts in work:
+
+    def engine_for(system: str, lv: Level) -> SpecEngine:
         if system in OURS_TARGET_ONLY:
             cfg = dataclasses.replace(base, mode="target_only", max_batch=lv.batch)
         else:
             cfg = dataclasses.replace(base, proposers=OURS_PROPOSERS[system], max_batch=lv.batch,
                                       scheduler="algorithm1" if sps is not None else "fixed")
-        eng = SpecEngine(target, drafter if system in NEEDS_DRAFTER else None, cfg, sps=sps, sts_temperatures=sts)
+        target = targets[torch.bfloat16 if system.endswith("_bf16") else torch.float32]
+        return SpecEngine(target, drafter if system in NEEDS_DRAFTER else None, cfg, sps=sps, sts_temperatures=sts)
+
+    def drive_of(eng: SpecEngine, lv: Level, ps: list[Prompt], max_tokens: int | None, tag: str,
+                 rec: Recorder) -> Drive:
         finished: list[str] = []
 
-        def run(ps: list[Prompt], max_tokens: int | None, tag: str, rec: Recorder):
-            def cb(o):
-                rec.arrive(o.request_id, o.new_token_ids)
-                if o.finished:
-                    rec.counts[o.request_id] = (o.num_steps, o.num_draft_tokens, o.num_accepted_tokens)
-                    finished.append(o.request_id)
+        def cb(o):
+            rec.arrive(o.request_id, o.new_token_ids)
+            if o.finished:
+                rec.counts[o.request_id] = (o.num_steps, o.num_draft_tokens, o.num_accepted_tokens)
+                finished.append(o.request_id)
 
-            def step():
-                eng.step()
-                done = list(finished)
-                finished.clear()
-                return done
-            return drive([p.ids for p in ps], lv.batch,
-                         lambda rid, i: eng.submit(rid, list(ps[i].ids), _params(lv, i, max_tokens), cb), step,
-                         eng.has_work, rec, tag)
-        # warm-up (lazy inits, allocator) on a prompt no request has; the suffix index forgets it
-        warm = Prompt("warmup", -1, tuple(reversed(prompts[0].ids)))
-        run([warm], 4, "warmup", Recorder())
-        if eng.suffix is not None and eng.suffix.shared is not None:
-            eng.suffix.clear_shared()
-            for toks in history.get(f"{lv.temperature:g}", []):
-                eng.suffix.add_shared(toks)
-        probe = EngineProbe(eng)
-        rec = Recorder()
-        rids, secs = run(prompts, None, lv.key, rec)
-        records = rec.records(list(zip(rids, (p.task for p in prompts))))
-        by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS}
-        by_task["overall"] = rids
-        proposers = {t: probe.proposers_of(r) for t, r in by_task.items()} if system not in OURS_TARGET_ONLY else None
-        results.append({"seconds": secs, "request_records": records, "proposers": proposers,
-                        "step_ms": probe.step_ms(), "round_ms": {t: probe.round_ms_of(r) for t, r in by_task.items()}})
-    info = threads.describe()
-    info["attention"] = "varlen" if getattr(eng.runner, "varlen", False) else "sdpa"
-    info["dtype"] = str(dtype).removeprefix("torch.")
-    info["sps"] = getattr(sps, "source", None) if sps is not None else None
-    info["sps_engine"] = getattr(sps, "engine", None) if sps is not None else None
+        def step():
+            eng.step()
+            done = list(finished)
+            finished.clear()
+            return done
+        return Drive([p.ids for p in ps], lv.batch,
+                     lambda rid, i: eng.submit(rid, list(ps[i].ids), _params(lv, i, max_tokens), cb), step,
+                     eng.has_work, rec, tag)
+
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    engines: dict[str, SpecEngine] = {}
+    for lv, prompts in work:
+        runs = []
+        for system in systems:
+            eng = engines[system] = engine_for(system, lv)
+            # warm-up (lazy inits, allocator) on a prompt no request has; the suffix index forgets it
+            warm = Prompt("warmup", -1, tuple(reversed(prompts[0].ids)))
+            lockstep([drive_of(eng, lv, [warm], 4, "warmup", Recorder())])
+            if eng.suffix is not None and eng.suffix.shared is not None:
+                eng.suffix.clear_shared()
+                for toks in history.get(f"{lv.temperature:g}", []):
+                    eng.suffix.add_shared(toks)
+            rec = Recorder()
+            runs.append((system, EngineProbe(eng), rec, drive_of(eng, lv, prompts, None, lv.key, rec)))
+        lockstep([d for *_, d in runs])
+        for system, probe, rec, d in runs:
+            rids = d.rids
+            records = rec.records(list(zip(rids, (p.task for p in prompts))))
+            by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS}
+            by_task["overall"] = rids
+            proposers = ({t: probe.proposers_of(r) for t, r in by_task.items()}
+                         if system not in OURS_TARGET_ONLY else None)
+            results[system].append({"seconds": d.seconds, "request_records": records, "proposers": proposers,
+                                    "step_ms": probe.step_ms(),
+                                    "round_ms": {t: probe.round_ms_of(r) for t, r in by_task.items()}})
+    info = {}
+    for system in systems:
+        eng = engines.get(system)
+        i = threads.describe()
+        i["attention"] = "varlen" if getattr(getattr(eng, "runner", None), "varlen", False) else "sdpa"
+        i["dtype"] = "bfloat16" if system.endswith("_bf16") else "float32"
+        i["sps"] = getattr(sps, "source", None) if sps is not None else None
+        i["sps_engine"] = getattr(sps, "engine", None) if sps is not None else None
+        i["lockstep"] = list(systems) if len(systems) > 1 else None
+        info[system] = i
     return results, info
 
 
@@ -615,22 +691,26 @@ def worker_vllm(system: str, spec: dict, work: list[tuple[Level, list[Prompt]]])
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
+    """Run the spec's systems (several only for our engine's lockstep) -> ``{system: {info, levels}}``."""
     spec = json.loads(Path(spec_path).read_text())
-    system = spec["system"]
-    if system == "history":
+    systems = spec["systems"]
+    if systems == ["history"]:
         Path(out_path).write_text(json.dumps(worker_history(spec, spec["temperatures"])))
         return
     prompts = load_prompts(spec["prompts_per_task"], spec.get("data_root"))
     work = [(lv, level_prompts(prompts, lv)) for lv in (Level(**d) for d in spec["levels"])]
-    if system.startswith("vllm"):
-        results, info = worker_vllm(system, spec, work)
-    elif system.startswith("hf"):
-        results, info = worker_hf(system, spec, work)
+    if all(s.startswith("ours") for s in systems):
+        results, info = worker_ours(systems, spec, work)
+    elif len(systems) == 1 and systems[0].startswith(("vllm", "hf")):
+        worker = worker_vllm if systems[0].startswith("vllm") else worker_hf
+        one, one_info = worker(systems[0], spec, work)
+        results, info = {systems[0]: one}, {systems[0]: one_info}
     else:
-        results, info = worker_ours(system, spec, work)
-    for (lv, _), r in zip(work, results):
-        r.update(dataclasses.asdict(lv))
-    Path(out_path).write_text(json.dumps({"system": system, "info": info, "levels": results}))
+        raise ValueError(f"one worker runs one peer or several of our systems, got {systems}")
+    for levels in results.values():
+        for (lv, _), r in zip(work, levels):
+            r.update(dataclasses.asdict(lv))
+    Path(out_path).write_text(json.dumps({s: {"info": info[s], "levels": results[s]} for s in systems}))
 
 
 # -- orchestration ------------------------------------------------------------------------------------------
@@ -663,25 +743,35 @@ def levels_for(system: str, levels: list[Level], peer_temperatures: Sequence[flo
 
 
 def run_order(systems: Sequence[str], levels: Sequence[Level], rounds: int, by_level: bool,
-              few: Iterable[str] = (), few_rounds: int = 1) -> list[tuple[int, str, list[Level]]]:
-    """(round, system, levels of one worker process) in the order they run.
+              few: Iterable[str] = (), few_rounds: int = 1,
+              lockstep: Iterable[str] = ()) -> list[tuple[int, tuple[str, ...], list[Level]]]:
+    """(round, systems of one worker process, its levels) in the order they run.
 
-    ``by_level``: one process per system and level, the systems of a level run back to back
+    ``by_level``: one process per level and system, the systems of a level run back to back
     (their order rotating with the round and the level), so the runs a same-round ratio pairs
     are minutes apart, not a whole round: a slow spell of a shared host then lands on both
     sides of a ratio. Otherwise one process per system and round, runs every level in turn.
-    A system in ``few`` runs only in the first ``few_rounds`` rounds."""
-    few = set(few)
+    A system in ``few`` runs only in the first ``few_rounds`` rounds. The systems in
+    ``lockstep`` that run in a round share one process, one step of each in turn (their
+    ratios then pair steps a fraction of a second apart); they rotate as one unit, in the
+    place of the first of them."""
+    few, lock = set(few), set(lockstep)
     order = []
     for rnd in range(rounds):
         chosen = [s for s in systems if s not in few or rnd < few_rounds]
+        together = tuple(s for s in chosen if s in lock)
+        units: list[tuple[str, ...]] = []
+        for s in chosen:
+            unit = together if s in lock else (s,)
+            if unit not in units:
+                units.append(unit)
         if not by_level:
-            k = rnd % len(chosen) if chosen else 0
-            order += [(rnd, s, list(levels)) for s in chosen[k:] + chosen[:k]]
+            k = rnd % len(units) if units else 0
+            order += [(rnd, u, list(levels)) for u in units[k:] + units[:k]]
             continue
         for i, lv in enumerate(levels):
-            k = (rnd + i) % len(chosen) if chosen else 0
-            order += [(rnd, s, [lv]) for s in chosen[k:] + chosen[:k]]
+            k = (rnd + i) % len(units) if units else 0
+            order += [(rnd, u, [lv]) for u in units[k:] + units[:k]]
     return order
 
 
@@ -697,9 +787,10 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--peer-batches", default=None,
                     help="comma list: the batches transformers and vLLM run at (default: all of --batches)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--order", choices=("levels", "systems"), default="levels",
-                    help="levels: a process per system and level, a level's systems back to back (ratios pair runs "
-                         "minutes apart); systems: a process per system and round, running every level")
+    ap.add_argument("--order", choices=("lockstep", "levels", "systems"), default="lockstep",
+                    help="lockstep: a process per level and round runs our systems one step of each in turn, a "
+                         "process per peer, a level's runs back to back; levels: a process per system and level; "
+                         "systems: a process per system and round, running every level")
     ap.add_argument("--few-rounds", default="hf_generate,hf_prompt_lookup",
                     help="systems that run only in the first --few round(s) (peers outside the headline ratios)")
     ap.add_argument("--few", type=int, default=1)
@@ -771,7 +862,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     history_path = None
     if args.history > 0 and any(s in ("ours_suffix", "ours_hybrid") for s in systems):
         history_path = f"{tmp}.history.json"
-        spec = {"system": "history", "history": args.history, "history_tokens": args.history_tokens,
+        spec = {"systems": ["history"], "history": args.history, "history_tokens": args.history_tokens,
                 "temperatures": sorted({lv.temperature for lv in levels}),
                 **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads")}}
         Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
@@ -782,12 +873,13 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     report = None
     peer_b = None if args.peer_batches is None else [int(b) for b in args.peer_batches.split(",") if b]
-    plan = run_order(systems, levels, args.rounds, args.order == "levels", few, args.few)
-    for rnd, system, lvs in tqdm(plan, desc="side by side", unit="run", file=sys.stdout):
-        lvs = levels_for(system, lvs, peer_t, peer_b)
+    lock = [s for s in systems if s.startswith("ours")] if args.order == "lockstep" else []
+    plan = run_order(systems, levels, args.rounds, args.order != "systems", few, args.few, lock)
+    for rnd, group, lvs in tqdm(plan, desc="side by side", unit="run", file=sys.stdout):
+        lvs = levels_for(group[0], lvs, peer_t, peer_b)  # a lockstep group is ours: every level
         if not lvs:
             continue
-        spec = {"system": system, "levels": [dataclasses.asdict(lv) for lv in lvs],
+        spec = {"systems": list(group), "levels": [dataclasses.asdict(lv) for lv in lvs],
                 **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
                                                      "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
                                                      "vllm_kv_gib", "vllm_memory")},
@@ -796,15 +888,16 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
                         f"{tmp}.out.json"], check=True)
-        res = json.loads(Path(f"{tmp}.out.json").read_text())
-        runs = raw[system]
-        while len(runs) <= rnd:  # a round's levels gather in one entry, whichever process ran them
-            runs.append({"system": system, "info": res["info"], "levels": []})
-        runs[rnd]["levels"] += res["levels"]
-        tps = ", ".join(f"{lv['batch']}@T{lv['temperature']:g} "
-                        f"{sum(len(r['tokens']) for r in lv['request_records']) / lv['seconds']:.1f}"
-                        for lv in res["levels"])
-        tqdm.write(f"round {rnd + 1} {system}: {tps} tok/s ({time.perf_counter() - t:.0f} s)", file=sys.stdout)
+        for system, res in json.loads(Path(f"{tmp}.out.json").read_text()).items():
+            runs = raw[system]
+            while len(runs) <= rnd:  # a round's levels gather in one entry, whichever process ran them
+                runs.append({"system": system, "info": res["info"], "levels": []})
+            runs[rnd]["levels"] += res["levels"]
+            tps = ", ".join(f"{lv['batch']}@T{lv['temperature']:g} "
+                            f"{sum(len(r['tokens']) for r in lv['request_records']) / lv['seconds']:.1f}"
+                            for lv in res["levels"])
+            tqdm.write(f"round {rnd + 1} {system}: {tps} tok/s", file=sys.stdout)
+        tqdm.write(f"  ({time.perf_counter() - t:.0f} s)", file=sys.stdout)
         # the report so far after every run: a run cut short still leaves its finished rounds
         report = _report({s: r for s, r in raw.items() if r}, args, systems, notes, command)
         write_report(report, out_dir, args.name)

@@ -264,8 +264,11 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
                      f"{_pct(r['identical_to_vllm_fp32'])} | {thr} |")
     per = ", ".join(f"{s} {n}" for s, n in report.get("rounds_per_system", {}).items())
     settings = report.get("settings", {})
-    how = ("a process per system and level, a level's systems back to back" if settings.get("order") == "levels"
-           else "a process per system and round")
+    how = {"lockstep": "a process per level and round runs our systems in lockstep (one engine step of each in "
+                       "turn on one loaded target, each timed by its own steps only, so a slow spell of the host falls "
+                       "on both sides of our ratios), a process per peer and level, a level's runs back to back",
+           "levels": "a process per system and level, a level's systems back to back"}.get(
+               settings.get("order"), "a process per system and round")
     lines += ["", f"Rounds run: {per} (of {report.get('rounds')} planned); systems in rotating order, {how}, a "
               "fresh engine for every run. tokens/s is the median round's; `x ...` the median of same-round "
               "ratios; the other columns come from the median round. `= ours target-only` / `= vLLM fp32`: share of "

@@ -3,13 +3,14 @@ results-file schema, levels and prompts, and the in-flight driver (no model is l
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from collections import defaultdict
 
-from dspark.engine.sidebyside import (Level, Prompt, Recorder, attribute_step, drive, level_prompts, levels_for,
-                                      plan_levels, resolve_systems, run_order)
+from dspark.engine.sidebyside import (Drive, Level, Prompt, Recorder, attribute_step, drive, level_prompts, levels_for,
+                                      lockstep, plan_levels, resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
                                              paired_median_ratio, percentile, split_by_task, summarise, write_report)
 
@@ -185,14 +186,45 @@ def test_drive_keeps_at_most_concurrency_requests_in_flight_and_admits_one_per_s
     assert not running
 
 
+def test_lockstep_times_each_drive_by_its_own_steps_only():
+    """Two drives taking turns: each one's clock (its seconds, its requests' arrival times) runs only
+    inside its own steps, so the other's slow steps are on neither its total nor its latencies."""
+    def make(step_s: float, steps: int, rec: Recorder) -> Drive:
+        left = {"n": steps}
+
+        def step():
+            time.sleep(step_s)
+            left["n"] -= 1
+            rec.arrive("t-0", [1])
+            return ["t-0"] if left["n"] == 0 else []
+        return Drive([[1]], 1, lambda rid, i: None, step, lambda: left["n"] > 0, rec, "t")
+    fast_rec, slow_rec = Recorder(), Recorder()
+    fast, slow = make(0.002, 5, fast_rec), make(0.03, 5, slow_rec)
+    lockstep([fast, slow])
+    assert fast.done and slow.done
+    assert 0.010 <= fast.seconds < 0.05, fast.seconds  # 5 x 2 ms of its own, not the other's 150 ms
+    assert 0.150 <= slow.seconds < 0.30, slow.seconds
+    (r,) = fast_rec.records([("t-0", "math")])
+    assert len(r["gaps_ms"]) == 4 and max(r["gaps_ms"]) < 30.0
+
+
 def test_run_order_by_level_puts_a_levels_systems_back_to_back_and_rotates_them():
     levels = plan_levels([1, 4], [0.0], 3, 256, 128, 1.0)
     plan = run_order(["a", "b", "c"], levels, rounds=2, by_level=True, few=["c"], few_rounds=1)
-    assert [(r, s, lv[0].batch) for r, s, lv in plan] == [
+    assert [(r, s, lv[0].batch) for r, (s,), lv in plan] == [
         (0, "a", 1), (0, "b", 1), (0, "c", 1), (0, "b", 4), (0, "c", 4), (0, "a", 4),
         (1, "b", 1), (1, "a", 1), (1, "a", 4), (1, "b", 4)], "c runs in the first round only"
     by_system = run_order(["a", "b"], levels, rounds=2, by_level=False)
-    assert [(r, s, len(lv)) for r, s, lv in by_system] == [(0, "a", 2), (0, "b", 2), (1, "b", 2), (1, "a", 2)]
+    assert [(r, s, len(lv)) for r, (s,), lv in by_system] == [(0, "a", 2), (0, "b", 2), (1, "b", 2), (1, "a", 2)]
+
+
+def test_run_order_puts_lockstep_systems_in_one_process_that_rotates_as_one_unit():
+    levels = plan_levels([1, 4], [0.0], 3, 256, 128, 1.0)
+    plan = run_order(["a", "p", "b", "c"], levels, rounds=2, by_level=True, few=["c", "p"], few_rounds=1,
+                     lockstep=["a", "b", "c"])
+    assert [(r, u, lv[0].batch) for r, u, lv in plan] == [
+        (0, ("a", "b", "c"), 1), (0, ("p",), 1), (0, ("p",), 4), (0, ("a", "b", "c"), 4),
+        (1, ("a", "b"), 1), (1, ("a", "b"), 4)], "c and the peer p run in the first round only"
 
 
 def test_peer_batches_limit_the_peers_not_our_systems():
