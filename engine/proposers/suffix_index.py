@@ -67,7 +67,8 @@ class SuffixIndex:
         self._tick = 0  # increments so far: the recency stamp for ties
         self.version = 0  # grows with every extend / remove (cursors re-sync)
         self.num_tokens = 0
-        self._new_node(parent=_NONE, token=_NONE, depth=0)  # the root: the empty string
+        for name in _FIELDS:  # the root, the empty string: depth 0, no parent, token, link or children
+            getattr(self, name).append(ROOT if name in ("count", "out", "depth", "link", "stamp") else _NONE)
 
     # -- nodes ---------------------------------------------------------------------------------
     @property
@@ -80,35 +81,6 @@ class SuffixIndex:
         arrays = sum(getattr(self, name).buffer_info()[1] * 8 for name in _FIELDS)
         ends = sum(sys.getsizeof(s.ends) for s in self._seqs.values())
         return arrays + sys.getsizeof(self.edges) + ends + sys.getsizeof(self._free)
-
-    def _new_node(self, parent: int, token: int, depth: int) -> int:
-        if self._free:
-            v = self._free.pop()
-            self.count[v] = self.out[v] = self.stamp[v] = 0
-            self.depth[v], self.parent[v], self.token[v] = depth, parent, token
-            self.link[v] = ROOT
-            self.best[v] = self.first[v] = self.next[v] = self.prev[v] = _NONE
-        else:
-            v = len(self.count)
-            self.count.append(0)
-            self.out.append(0)
-            self.depth.append(depth)
-            self.link.append(ROOT)
-            self.parent.append(parent)
-            self.token.append(token)
-            self.best.append(_NONE)
-            self.stamp.append(0)
-            self.first.append(_NONE)
-            self.next.append(_NONE)
-            self.prev.append(_NONE)
-        if parent != _NONE:
-            self.edges[(parent << 32) | token] = v
-            first = self.first[parent]
-            self.next[v] = first
-            if first != _NONE:
-                self.prev[first] = v
-            self.first[parent] = v
-        return v
 
     def _free_node(self, v: int) -> None:
         u = self.parent[v]
@@ -172,9 +144,8 @@ class SuffixIndex:
         self.version += 1
         D = self.max_depth
         count, out, depth, link, best, stamp = self.count, self.out, self.depth, self.link, self.best, self.stamp
-        edges, get = self.edges, self.edges.get
-        first, nxt, prv = self.first, self.next, self.prev
-        new_node = self._new_node
+        parent, token, first, nxt, prv = self.parent, self.token, self.first, self.next, self.prev
+        edges, get, free, ends = self.edges, self.edges.get, self._free, seq.ends
         for c in tokens:
             c = int(c)
             if c < 0 or c >= 1 << 32:
@@ -185,8 +156,31 @@ class SuffixIndex:
             while True:  # the windows ending at c: (suffixes of head) + c, longest first
                 key = (u << 32) | c
                 v = get(key, _NONE)
-                if v == _NONE:
-                    v = new_node(u, c, depth[u] + 1)
+                if v == _NONE:  # a new node u.c, created in line: this loop is the index's hot path
+                    if free:
+                        v = free.pop()
+                        out[v] = 0
+                        depth[v], parent[v], token[v], link[v] = depth[u] + 1, u, c, ROOT
+                        best[v] = first[v] = prv[v] = _NONE
+                    else:
+                        v = len(count)
+                        count.append(0)
+                        out.append(0)
+                        depth.append(depth[u] + 1)
+                        link.append(ROOT)
+                        parent.append(u)
+                        token.append(c)
+                        best.append(_NONE)
+                        stamp.append(0)
+                        first.append(_NONE)
+                        nxt.append(_NONE)
+                        prv.append(_NONE)
+                    edges[key] = v
+                    f = first[u]
+                    nxt[v] = f
+                    if f != _NONE:
+                        prv[f] = v
+                    first[u] = v
                 count[v] += 1
                 stamp[v] = tick
                 out[u] += 1
@@ -205,7 +199,7 @@ class SuffixIndex:
                 u = link[u]
             link[prev] = ROOT  # the one-token window
             seq.head = head
-            seq.ends.append(deepest)
+            ends.append(deepest)
             self.num_tokens += 1
 
     def remove(self, sid: int) -> None:
