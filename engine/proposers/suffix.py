@@ -1,6 +1,6 @@
 """The suffix proposer: drafts copied from text already seen, no training.
 
-Every slot has its own ``SuffixIndex`` (``suffix_index.py``) over its request's prompt and
+Every slot has its own suffix index (``suffix_index.py``) over its request's prompt and
 output so far; with ``scope="shared"`` there is also one shared index over the outputs of
 recent requests (a ring: the last ``shared_max_outputs`` outputs, at most
 ``shared_max_tokens`` tokens; the oldest output is removed, its counts decremented, when a
@@ -52,7 +52,7 @@ from typing import Sequence
 import torch
 
 from .base import DraftBatch, Proposer, ProposerCost
-from .suffix_index import ROOT, SuffixIndex
+from .suffix_index import ROOT, SuffixIndex, new_suffix_index
 
 __all__ = ["SuffixConfig", "SuffixProposer", "OnlineCalibration", "continuation_logit", "SCOPES"]
 
@@ -70,6 +70,7 @@ class SuffixConfig:
     # host seconds of one row's lookup (propose), for the suffix gate: what skipping a row saves (its
     # commits run anyway); the order of the side-by-side harness's `suffix` ms per decode step per row
     host_seconds_per_row: float = 1.5e-4
+    native: bool = True  # the C++ index where it builds (suffix_index.py), else the Python one
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -190,13 +191,13 @@ class SuffixProposer(Proposer):
         # online calibration when no STS temperatures are given: one for greedy rows, one for sampled ones
         self.calibrations = ((OnlineCalibration(self.max_drafts), OnlineCalibration(self.max_drafts))
                              if self.temps is None else None)
-        self.shared = SuffixIndex(self.cfg.max_depth) if self.cfg.scope == "shared" else None
+        self.shared = new_suffix_index(self.cfg.max_depth, self.cfg.native) if self.cfg.scope == "shared" else None
         self._ring: deque[int] = deque()  # shared sequence ids, oldest first
         self._slots: dict[int, _Slot] = {}
 
     # -- the slot cycle --------------------------------------------------------------------------
     def reset(self, slot: int, prompt: Sequence[int]) -> None:
-        own = SuffixIndex(self.cfg.max_depth)
+        own = new_suffix_index(self.cfg.max_depth, self.cfg.native)
         tokens = [int(t) for t in prompt]
         self._slots[slot] = _Slot(own=own, own_seq=own.add_sequence(tokens), tokens=tokens, prompt_len=len(tokens))
 

@@ -3,7 +3,9 @@
 Brute force: every substring of length <= D of the indexed sequences, counted by end
 position; the index must hold exactly those strings (no more nodes, also after removals),
 with the same occurrence and continuation counts, the most frequent continuation (ties:
-the one seen last), and the longest-suffix match of any query stream.
+the one seen last), and the longest-suffix match of any query stream. Both implementations
+(the Python reference and the C++ trie the engine uses) face the same checks, and the same
+random calls must leave them identical, node for node.
 """
 from __future__ import annotations
 
@@ -17,9 +19,15 @@ from hypothesis import strategies as st
 
 from dspark.engine.proposers import SuffixConfig, SuffixIndex, SuffixProposer
 from dspark.engine.proposers.suffix import OnlineCalibration, continuation_logit
-from dspark.engine.proposers.suffix_index import ROOT
+from dspark.engine.proposers.suffix_index import ROOT, native_available, new_suffix_index
 
 streams = st.lists(st.integers(0, 3), min_size=0, max_size=40)
+IMPLS = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not native_available(), reason="the C++ suffix trie could not be built here (no compiler?)"))]
+
+
+def make_index(impl: str, D: int):
+    return new_suffix_index(D, native=impl == "native")
 
 
 def brute_counts(seqs: list[list[int]], D: int) -> tuple[Counter, Counter]:
@@ -65,10 +73,11 @@ def check_against_brute(ix: SuffixIndex, seqs: list[list[int]]) -> None:
             assert ix.best[v] == -1
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=60, deadline=None)
 @given(seqs=st.lists(streams, min_size=1, max_size=4), D=st.integers(2, 6), data=st.data())
-def test_index_counts_equal_brute_force_through_inserts_and_removals(seqs, D, data):
-    ix = SuffixIndex(D)
+def test_index_counts_equal_brute_force_through_inserts_and_removals(impl, seqs, D, data):
+    ix = make_index(impl, D)
     ids = []
     for s in seqs:  # insert each sequence in random pieces: appending is incremental
         sid = ix.add_sequence()
@@ -85,10 +94,11 @@ def test_index_counts_equal_brute_force_through_inserts_and_removals(seqs, D, da
     assert ix.num_nodes == 1 and not ix.edges
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=60, deadline=None)
 @given(seq=streams, D=st.integers(2, 6))
-def test_ties_go_to_the_continuation_seen_last(seq, D):
-    ix = SuffixIndex(D)
+def test_ties_go_to_the_continuation_seen_last(impl, seq, D):
+    ix = make_index(impl, D)
     ix.add_sequence(seq)
     for w, v in all_nodes(ix).items():
         if len(w) >= D or ix.best[v] == -1:
@@ -101,10 +111,11 @@ def test_ties_go_to_the_continuation_seen_last(seq, D):
         assert ix.token[ix.best[v]] == max(followers, key=lambda t: followers[t])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=80, deadline=None)
 @given(seqs=st.lists(streams, min_size=1, max_size=3), query=streams, D=st.integers(2, 6))
-def test_match_and_advance_give_the_longest_suffix_in_the_index(seqs, query, D):
-    ix = SuffixIndex(D)
+def test_match_and_advance_give_the_longest_suffix_in_the_index(impl, seqs, query, D):
+    ix = make_index(impl, D)
     for s in seqs:
         ix.add_sequence(s)
     occ, _ = brute_counts(seqs, D)
@@ -118,10 +129,11 @@ def test_match_and_advance_give_the_longest_suffix_in_the_index(seqs, query, D):
         assert ix.match(prefix) == node
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=80, deadline=None)
 @given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=40), D=st.integers(3, 7), min_match=st.integers(1, 2))
-def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffix(seq, D, min_match):
-    ix = SuffixIndex(D)
+def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffix(impl, seq, D, min_match):
+    ix = make_index(impl, D)
     sid = ix.add_sequence(seq)
     toks, counts, totals, depths = ix.draft(ix.last_node(sid), 1, min_match)
     _, cont = brute_counts([seq], D)
@@ -137,8 +149,9 @@ def test_first_draft_is_the_most_frequent_follower_of_the_longest_repeated_suffi
     assert depths[0] == len(w), "the first draft is matched on the longest such suffix"
 
 
-def test_drafts_continue_a_repeated_pattern_and_back_off_past_the_depth():
-    ix = SuffixIndex(4)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_drafts_continue_a_repeated_pattern_and_back_off_past_the_depth(impl):
+    ix = make_index(impl, 4)
     sid = ix.add_sequence([9, 1, 2, 3, 4, 5, 6, 9, 1, 2])
     toks, counts, totals, depths = ix.draft(ix.last_node(sid), 6)
     assert toks == [3, 4, 5, 6, 9, 1]  # longer than D - match: the walk backs off along suffix links
@@ -146,9 +159,46 @@ def test_drafts_continue_a_repeated_pattern_and_back_off_past_the_depth():
     assert depths == [3] * 6, "matched on '9 1 2', then each step backs off from depth D=4 to its 3-token suffix"
 
 
-def test_shared_ring_memory_stays_under_its_bound_over_a_long_run():
+@pytest.mark.skipif(not native_available(), reason="the C++ suffix trie could not be built here (no compiler?)")
+@settings(max_examples=40, deadline=None)
+@given(seqs=st.lists(streams, min_size=1, max_size=5), queries=st.lists(streams, max_size=3),
+       D=st.integers(2, 6), data=st.data())
+def test_the_cpp_trie_and_the_python_reference_stay_identical_node_for_node(seqs, queries, D, data):
+    py, cc = new_suffix_index(D, native=False), new_suffix_index(D, native=True)
+    assert type(py) is not type(cc)
+    live = []
+    for s in seqs:  # interleave insertions (in pieces) and removals, so that freed node ids get reused
+        cut = sorted(data.draw(st.lists(st.integers(0, len(s)), max_size=2)))
+        sid = py.add_sequence(s[:cut[0]] if cut else s)
+        assert cc.add_sequence(s[:cut[0]] if cut else s) == sid
+        for a, b in zip(cut, cut[1:] + [len(s)]):
+            py.extend(sid, s[a:b])
+            cc.extend(sid, s[a:b])
+        live.append(sid)
+        if len(live) > 1 and data.draw(st.booleans()):
+            gone = live.pop(data.draw(st.integers(0, len(live) - 1)))
+            py.remove(gone)
+            cc.remove(gone)
+        for field in ("count", "out", "depth", "link", "parent", "token", "best"):
+            assert list(getattr(py, field)) == list(getattr(cc, field)), field
+        assert dict(py.edges) == dict(cc.edges)
+        assert (py.version, py.num_tokens, py.num_nodes, py.sequence_ids) == (
+            cc.version, cc.num_tokens, cc.num_nodes, cc.sequence_ids)
+    for q in queries:
+        node = py.match(q)
+        assert cc.match(q) == node
+        assert py.draft(node, 4, 1) == tuple(cc.draft(node, 4, 1))
+    with pytest.raises(ValueError):
+        cc.extend(live[0], [1 << 32])
+    with pytest.raises(KeyError):
+        cc.remove(10_000)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shared_ring_memory_stays_under_its_bound_over_a_long_run(impl):
     D, budget = 6, 1500
-    prop = SuffixProposer(SuffixConfig(max_depth=D, shared_max_tokens=budget, shared_max_outputs=1000))
+    prop = SuffixProposer(SuffixConfig(max_depth=D, shared_max_tokens=budget, shared_max_outputs=1000,
+                                       native=impl == "native"))
     rng = random.Random(0)
     peak_nodes = peak_bytes = 0
     for i in range(200):  # 200 outputs of 20..80 tokens: ~10k tokens through a 1.5k-token ring
