@@ -12,8 +12,9 @@ request per engine step until the batch is full) so the engine runs in flight.
 
 This in-process benchmark is the quick one (a loaded target, every system in one process).
 The committed ``docs/benchmarks/decode.*`` and ``engine_vs_vllm.*`` come from the side-by-side
-harness (``engine/sidebyside.py``: each system in its own process, vLLM as a peer, per task and
-per temperature, the time of a decode step split by phase); their commands are in the files.
+harness (``engine/sidebyside.py``: our systems in lockstep, each peer in its own process, vLLM as
+a peer, per task and per temperature, the time of a decode step split by phase); their commands
+are in the files.
 """
 from __future__ import annotations
 
