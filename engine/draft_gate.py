@@ -91,6 +91,7 @@ class DraftGate:
         self.skipped = 0
         self.drafted_steps = 0
         self.skipped_steps = 0
+        self.skipping = False  # the latest decision left some of the rows undrafted (a skip or a probe)
 
     @property
     def accepted(self) -> float | None:
@@ -146,6 +147,7 @@ class DraftGate:
                 self.skipped = 0
                 rows = min(self.probe_rows, requests)
                 self.probe = min(2 * self.probe, self.probe_cap(requests, rows))
+        self.skipping = rows < requests
         if rows:
             self.drafted_steps += 1
         else:

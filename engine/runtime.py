@@ -404,6 +404,8 @@ class SpecEngine:
     def _settle(self, reqs: list[_Request]) -> None:
         """End of a phase (its tokens were sent): the proposers' deferred work."""
         slots = [r.slot for r in reqs if not r.finished]
+        if self.neural is not None:  # a skipped drafter keeps only a window of recent context
+            self.neural.idle = self.gate is not None and self.gate.skipping
         for p in self.proposers:
             p.settle(slots)
 

@@ -9,6 +9,19 @@ prefill, leave them waiting), or at the end of a phase once a backlog reaches
 end-of-phase flush runs in ``settle``, after the phase's tokens were sent, so no token
 waits for the drafter's context pass.
 
+While the engine's drafting gate skips the drafter (``idle``, set by the engine from the
+gate's latest decision), a backlog is not flushed but cut: once it reaches twice
+``IDLE_CONTEXT_TOKENS`` only its most recent ``IDLE_CONTEXT_TOKENS`` positions are kept, and
+the slot's drafter cache is dropped; its next draft rebuilds the cache from the kept
+positions alone (a window of the recent text, positions renumbered from 0: the drafter's
+rotary attention sees the same relative distances). A skipping drafter then costs nothing
+per committed token, and a probe, which drafts the rows that drafted least recently, catches
+up at most ``2 * IDLE_CONTEXT_TOKENS`` positions per row instead of everything since the
+row's last draft (hundreds of positions at a large batch, several times the drafter pass
+that the gate budgets a probe at). A slot the gate drafts keeps its whole context. Which
+context a drafter sees changes its drafts, never the output: verification is exact for any
+proposal.
+
 Pairing features with tokens: feature row i (sequence position i) enters the backlog with
 token i + 1, so a position's features wait in ``pending`` until the token after it is
 committed (the prompt's last position waits for the first sampled token).
@@ -24,9 +37,10 @@ from ..draft_runner import make_draft_runner
 from ..sts import apply_sts
 from .base import DraftBatch, Proposer, ProposerCost
 
-__all__ = ["NeuralProposer", "MAX_BACKLOG_TOKENS"]
+__all__ = ["NeuralProposer", "MAX_BACKLOG_TOKENS", "IDLE_CONTEXT_TOKENS"]
 
 MAX_BACKLOG_TOKENS = 256  # bounds the features held for a slot whose drafter is not drafting
+IDLE_CONTEXT_TOKENS = 32  # positions a skipped slot keeps for its next draft (module docstring)
 
 
 @dataclass
@@ -36,6 +50,7 @@ class _SlotContext:
     pending: list[torch.Tensor] = field(default_factory=list)  # feature rows still waiting for their next token
     backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features [n, F], next tokens [n])
     backlog_tokens: int = 0
+    stale: bool = False  # the drafter's cache of this slot was dropped: rebuild it from the backlog alone
 
 
 class NeuralProposer(Proposer):
@@ -58,6 +73,8 @@ class NeuralProposer(Proposer):
         self.device = next(drafter.parameters()).device
         self._sps = sps
         self.max_backlog_tokens = MAX_BACKLOG_TOKENS
+        self.idle_context_tokens = IDLE_CONTEXT_TOKENS
+        self.idle = False  # the engine's gate is skipping the drafter: cut backlogs instead of flushing them
         self._slots: dict[int, _SlotContext] = {}
 
     # -- the slot cycle --------------------------------------------------------------------------
@@ -86,9 +103,26 @@ class NeuralProposer(Proposer):
         del st.upcoming[:k]
 
     def settle(self, slots: Sequence[int]) -> None:
-        """Append the backlogs past ``max_backlog_tokens`` in one batch."""
+        """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
+        past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
+        live = [self._slots[s] for s in slots if s in self._slots]
+        if self.idle:
+            keep = self.idle_context_tokens
+            for st in live:
+                if st.backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
+                    self._cut(st, keep)
+            return
         bound = self.max_backlog_tokens
         self._flush([s for s in slots if s in self._slots and self._slots[s].backlog_tokens >= bound])
+
+    @staticmethod
+    def _cut(st: _SlotContext, keep: int) -> None:
+        """Keep the most recent ``keep`` backlog positions of a slot and drop its drafter cache."""
+        aux = torch.cat([a for a, _ in st.backlog])[-keep:].clone()
+        nxt = torch.cat([t for _, t in st.backlog])[-keep:].clone()
+        st.backlog = [(aux, nxt)]
+        st.backlog_tokens = aux.shape[0]
+        st.stale = True
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -106,6 +140,9 @@ class NeuralProposer(Proposer):
         rows = []
         for s in slots:
             st = self._slots[s]
+            if st.stale:
+                self.runner.reset(s)
+                st.stale = False
             if st.backlog:
                 aux = torch.cat([a for a, _ in st.backlog])
                 nxt = torch.cat([t for _, t in st.backlog])

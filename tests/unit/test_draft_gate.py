@@ -177,12 +177,23 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
         drafted_slots.append(list(slots))
         return propose(slots, *args, **kwargs)
     engine.draft_runner.propose = recording_propose
+    neural = engine.neural
+    neural.idle_context_tokens = 3
+    idle_backlogs: list[int] = []
+    settle = neural.settle
+
+    def recording_settle(slots):
+        settle(slots)
+        if neural.idle:
+            idle_backlogs.extend(neural.backlog_tokens(s) for s in slots)
+    neural.settle = recording_settle
     out = run_to_completion(engine, jobs + [sampled])
     assert {rid: out[rid] for rid, _, _ in jobs} == base
     assert len(out["s"]) == 24
     probes = [s for s in drafted_slots[1:] if len(s) < 7]
     assert probes and all(len(s) == 2 for s in probes)
     assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
+    assert idle_backlogs and max(idle_backlogs) < 2 * 3  # a skipped drafter holds a window, not the history
 
 
 def test_gated_rows_takes_the_least_recently_drafted_rows_in_row_order():

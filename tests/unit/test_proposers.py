@@ -178,6 +178,39 @@ def test_neural_backlog_waits_for_a_draft_and_follows_a_move():
     prop.move(1, 0)
     assert torch.equal(prop.propose([0], torch.zeros(1)).tokens, before)
     assert prop.cost().known is False
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_an_idle_neural_proposer_keeps_only_a_window_of_recent_context(algo):
+    """While the gate skips the drafter, a backlog is cut to its recent positions and the slot's
+    cache is dropped: the next draft is the one a fresh proposer fed only that window makes."""
+    target = make_tiny_target()
+    torch.manual_seed(2)
+    drafter = build_drafter(drafter_config_for(tiny_run_config(algo), target), target)
+    F = drafter.fc.in_features
+    seq = [3 + (5 * i) % 50 for i in range(23)]  # prompt = seq[:13], then 10 committed tokens
+    feats = torch.randn(len(seq), F)
+    prop = NeuralProposer(drafter, 1)
+    prop.idle_context_tokens = 4
+    prop.reset(0, seq[:13])
+    prop.commit(0, [], feats[:13])
+    prop.propose([0], torch.zeros(1))  # drafting: the whole prompt goes into the cache
+    assert int(prop.runner.cache.lengths[0]) == 12
+    prop.commit(0, seq[13:], feats[13:])
+    prop.settle([0])  # not idle, under the bound: the backlog waits
+    assert prop.backlog_tokens(0) == 10
+    prop.idle = True
+    prop.settle([0])  # idle, at least twice the window: cut to the window
+    assert prop.backlog_tokens(0) == 4
+    drafts = prop.propose([0], torch.zeros(1)).tokens
+    assert int(prop.runner.cache.lengths[0]) == 4  # rebuilt from the window alone, not appended to the old cache
+    fresh = NeuralProposer(drafter, 1)
+    fresh.reset(0, seq[18:])  # positions 18..21 paired with the tokens after them, anchored on the last
+    fresh.commit(0, [], feats[18:])
+    assert torch.equal(fresh.propose([0], torch.zeros(1)).tokens, drafts)
+    prop.commit(0, [7, 8], feats[:2])
+    prop.settle([0])  # idle, but a short backlog: kept whole
+    assert prop.backlog_tokens(0) == 2
     with pytest.raises(ValueError, match="never profiled"):
         prop.cost().seconds(1)
 
