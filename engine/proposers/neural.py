@@ -11,16 +11,16 @@ waits for the drafter's context pass.
 
 While the engine's drafting gate skips the drafter (``idle``, set by the engine from the
 gate's latest decision), a backlog is not flushed but cut: once it reaches twice
-``IDLE_CONTEXT_TOKENS`` only its most recent ``IDLE_CONTEXT_TOKENS`` positions are kept, and
-the slot's drafter cache is dropped; its next draft rebuilds the cache from the kept
+``IDLE_CONTEXT_TOKENS`` only its most recent ``IDLE_CONTEXT_TOKENS`` positions are kept,
+and the slot's drafter cache is dropped; its next draft rebuilds the cache from the kept
 positions alone (a window of the recent text, positions renumbered from 0: the drafter's
-rotary attention sees the same relative distances). A skipping drafter then costs nothing
-per committed token, and a probe, which drafts the rows that drafted least recently, catches
-up at most ``2 * IDLE_CONTEXT_TOKENS`` positions per row instead of everything since the
-row's last draft (hundreds of positions at a large batch, several times the drafter pass
-that the gate budgets a probe at). A slot the gate drafts keeps its whole context. Which
-context a drafter sees changes its drafts, never the output: verification is exact for any
-proposal.
+rotary attention sees the same relative distances). A skipping drafter then runs no
+context pass for the positions it skips (their features are still kept, on the host, until
+cut), and a probe, which drafts the rows that drafted least recently, catches up at most
+``2 * IDLE_CONTEXT_TOKENS`` positions per row instead of everything since the row's last
+draft (hundreds of positions at a large batch, several times the drafter pass that the
+gate budgets a probe at). A slot the gate drafts keeps its whole context. Which context a
+drafter sees changes its drafts, never the output: verification is exact for any proposal.
 
 Pairing features with tokens: feature row i (sequence position i) enters the backlog with
 token i + 1, so a position's features wait in ``pending`` until the token after it is
@@ -105,15 +105,14 @@ class NeuralProposer(Proposer):
     def settle(self, slots: Sequence[int]) -> None:
         """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
-        live = [self._slots[s] for s in slots if s in self._slots]
+        live = [s for s in slots if s in self._slots]
         if self.idle:
             keep = self.idle_context_tokens
-            for st in live:
-                if st.backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
-                    self._cut(st, keep)
+            for s in live:
+                if self._slots[s].backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
+                    self._cut(self._slots[s], keep)
             return
-        bound = self.max_backlog_tokens
-        self._flush([s for s in slots if s in self._slots and self._slots[s].backlog_tokens >= bound])
+        self._flush([s for s in live if self._slots[s].backlog_tokens >= self.max_backlog_tokens])
 
     @staticmethod
     def _cut(st: _SlotContext, keep: int) -> None:
