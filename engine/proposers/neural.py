@@ -105,22 +105,26 @@ class NeuralProposer(Proposer):
     def settle(self, slots: Sequence[int]) -> None:
         """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
-        live = [s for s in slots if s in self._slots]
+        live = {s: self._slots[s] for s in slots if s in self._slots}
         if self.idle:
             keep = self.idle_context_tokens
-            for s in live:
-                if self._slots[s].backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
-                    self._cut(self._slots[s], keep)
+            for st in live.values():
+                if st.backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
+                    self._cut(st, keep)
             return
-        self._flush([s for s in live if self._slots[s].backlog_tokens >= self.max_backlog_tokens])
+        self._flush([s for s, st in live.items() if st.backlog_tokens >= self.max_backlog_tokens])
 
     @staticmethod
-    def _cut(st: _SlotContext, keep: int) -> None:
+    def _joined(st: _SlotContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's backlog as one (features [n, F], next tokens [n]) pair."""
+        return torch.cat([a for a, _ in st.backlog]), torch.cat([t for _, t in st.backlog])
+
+    @classmethod
+    def _cut(cls, st: _SlotContext, keep: int) -> None:
         """Keep the most recent ``keep`` backlog positions of a slot and drop its drafter cache."""
-        aux = torch.cat([a for a, _ in st.backlog])[-keep:].clone()
-        nxt = torch.cat([t for _, t in st.backlog])[-keep:].clone()
-        st.backlog = [(aux, nxt)]
-        st.backlog_tokens = aux.shape[0]
+        aux, nxt = cls._joined(st)
+        st.backlog = [(aux[-keep:].clone(), nxt[-keep:].clone())]
+        st.backlog_tokens = st.backlog[0][1].shape[0]
         st.stale = True
 
     def release(self, slot: int) -> None:
@@ -143,8 +147,7 @@ class NeuralProposer(Proposer):
                 self.runner.reset(s)
                 st.stale = False
             if st.backlog:
-                aux = torch.cat([a for a, _ in st.backlog])
-                nxt = torch.cat([t for _, t in st.backlog])
+                aux, nxt = self._joined(st)
                 rows.append((s, aux, nxt))
                 st.backlog.clear()
                 st.backlog_tokens = 0

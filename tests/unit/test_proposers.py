@@ -178,6 +178,8 @@ def test_neural_backlog_waits_for_a_draft_and_follows_a_move():
     prop.move(1, 0)
     assert torch.equal(prop.propose([0], torch.zeros(1)).tokens, before)
     assert prop.cost().known is False
+    with pytest.raises(ValueError, match="never profiled"):
+        prop.cost().seconds(1)
 
 
 @pytest.mark.parametrize("algo", ["dspark", "eagle3"])
@@ -211,8 +213,6 @@ def test_an_idle_neural_proposer_keeps_only_a_window_of_recent_context(algo):
     prop.commit(0, [7, 8], feats[:2])
     prop.settle([0])  # idle, but a short backlog: kept whole
     assert prop.backlog_tokens(0) == 2
-    with pytest.raises(ValueError, match="never profiled"):
-        prop.cost().seconds(1)
 
 
 # -- one accept_len, typed stats, costs ---------------------------------------------------------------
