@@ -133,13 +133,14 @@ def cmd_profile(args) -> None:
                                repeats=args.repeats, static_steps=args.static_steps)
     ckpt = _checkpoint_dir(args, cfg)
     if ckpt.exists():  # the drafter's own cost lets the engine skip drafting where it cannot pay
-        from dspark.engine.bench import profile_draft_cost
+        from dspark.engine.bench import profile_append_cost, profile_draft_cost
         from dspark.training.checkpoint import load_checkpoint
 
         drafter = load_checkpoint(ckpt, target)[0].to(args.device)
         rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r * (cfg.target.block_size + 1) <= args.max_tokens] or [1]
         table.draft_requests = rows
         table.draft_seconds = profile_draft_cost(drafter, rows, context=args.context, repeats=args.repeats)
+        table.draft_append_seconds = profile_append_cost(drafter, repeats=args.repeats)
         table.engine += f" + drafter {ckpt}"
     elif args.checkpoint:
         raise SystemExit(f"dspark profile: no drafter checkpoint at {ckpt}")
@@ -152,6 +153,8 @@ def cmd_profile(args) -> None:
         print(f"B={b:4d}  {s:8.2f} steps/s")
     for r, s in zip(table.draft_requests or [], table.draft_seconds or []):
         print(f"drafter R={r:3d}  {1000 * s:8.2f} ms/pass")
+    if table.draft_append_seconds is not None:
+        print(f"drafter context append  {1e6 * table.draft_append_seconds:8.2f} us/position")
     print(f"SPS table: {out} (plot {out.with_suffix('.png')})")
 
 

@@ -337,6 +337,40 @@ def profile_draft_cost(drafter, requests: list[int], context: int = 256, repeats
     return seconds
 
 
+def profile_append_cost(drafter, rows: int = 4, positions: int = 64, repeats: int | None = None) -> float:
+    """Median seconds per context position appended to one row's drafter cache: ``rows`` fresh
+    rows appending ``positions`` positions each, less the same rows appending one, over the
+    difference in positions. This is what a row pays to rebuild its cache from a window of
+    recent context before it drafts again (``engine/proposers/neural.py``), which the drafting
+    gate counts in the price of a probe."""
+    import statistics
+
+    from .draft_runner import make_draft_runner
+
+    if rows < 1 or positions < 2:
+        raise ValueError(f"need rows >= 1 and positions >= 2, got {rows}, {positions}")
+    p = next(drafter.parameters())
+    repeats = repeats or (20 if p.device.type == "cuda" else 5)
+    runner = make_draft_runner(drafter, rows)
+    aux_dim = drafter.fc.in_features
+    gen = torch.Generator().manual_seed(0)
+    batches = {n: [(slot, torch.randn(n, aux_dim, generator=gen), torch.full((n,), 7)) for slot in range(rows)]
+               for n in (1, positions)}
+
+    def append(n: int) -> float:
+        for slot in range(rows):
+            runner.reset(slot)
+        _sync(p.device)
+        t0 = time.perf_counter()
+        runner.append(batches[n])
+        _sync(p.device)
+        return time.perf_counter() - t0
+
+    append(positions)  # warm-up
+    extra = [append(positions) - append(1) for _ in range(repeats)]
+    return max(statistics.median(extra), 0.0) / (rows * (positions - 1))
+
+
 def write_decode_results(results: list[SystemResult], out_dir: Path, name: str, command: str, device: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": command, "device": device, "results": [dataclasses.asdict(r) for r in results]}

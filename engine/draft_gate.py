@@ -28,7 +28,9 @@ measure them, and at a large batch a full drafter pass is a large share of a ste
 probe interval doubles after each probe that does not pay, up to the interval at which
 probing a drafter that never pays costs ``probe_budget`` of the run: a probe's extra time
 over a plain step (from the SPS table, in plain steps) divided by the budget, kept within
-``[min_probe, max_probe]``. A probe that costs a drafter pass plus a 7-token verify on a
+``[min_probe, max_probe]``. That extra time includes the probed rows' context catch-up
+(``catchup_time``): a row the gate has skipped rebuilds its drafter cache from a window of
+recent positions before drafting, which at 4 rows can cost as much as the pass itself. A probe that costs a drafter pass plus a 7-token verify on a
 2-core CPU is worth about 1.4 plain steps, so a 1% budget probes every 140 steps there; a
 fixed interval of 64 spent 2% of the run on probes.
 
@@ -53,9 +55,11 @@ class DraftGate:
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 1024,
                  horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
                  probe_budget: float = 0.01, draft_time: Callable[[int], float] | None = None,
-                 free_share: float = 0.0) -> None:
+                 free_share: float = 0.0, catchup_time: Callable[[int], float] | None = None) -> None:
         """``draft_time(rows)``: seconds of the gated proposer's pass (``Proposer.cost().seconds``);
-        default the table's profiled drafter pass. ``free_share``: a pass that costs less than this
+        default the table's profiled drafter pass. ``catchup_time(rows)``: seconds that ``rows``
+        rows which skipped drafting for a while spend catching up their context first
+        (``ProposerCost.catchup_seconds``), part of a probe's price; default none. ``free_share``: a pass that costs less than this
         share of a plain step always runs (skipping it could save no more than that, and a cheap
         proposer, such as suffix lookups, whose matches come and go, loses more by a wrong skip)."""
         if draft_time is None and not table.has_draft_cost:
@@ -75,6 +79,7 @@ class DraftGate:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.table = table
         self.draft_time = draft_time if draft_time is not None else table.draft_time
+        self.catchup_time = catchup_time if catchup_time is not None else (lambda rows: 0.0)
         self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
@@ -119,10 +124,12 @@ class DraftGate:
 
     def probe_cost(self, requests: int, rows: int) -> float:
         """Predicted extra time of a probe drafting ``rows`` of ``requests``, in plain steps: the
-        drafter pass plus the verify tokens it adds (its accepted tokens are not counted)."""
+        rows' context catch-up, the drafter pass and the verify tokens it adds (its accepted
+        tokens are not counted)."""
         t_plain = self._step_time(requests)
         verified = round(rows * (self.verified or 0.0))
-        return (self.draft_time(rows) + self._step_time(requests + verified) - t_plain) / t_plain
+        extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(requests + verified) - t_plain
+        return extra / t_plain
 
     def probe_cap(self, requests: int, rows: int) -> int:
         """The longest probe interval needed to keep probing within ``probe_budget`` of the run."""

@@ -197,7 +197,8 @@ class SpecEngine:
         if not (isinstance(sps, SpsTable) and cost.known):
             log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
             return None
-        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds)
+        return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds,
+                         catchup_time=cost.catchup_seconds)
 
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),

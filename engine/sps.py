@@ -17,7 +17,8 @@ File format (JSON object, UTF-8), format version 1::
       "created_at": "2026-12-01T10:00:00+00:00",  # ISO 8601
       "meta": {"warmup": 3, "repeats": 10}, # optional: how it was profiled
       "draft_requests": [1, 4, 16, 64],  # optional: drafter pass timed at these batch sizes R
-      "draft_seconds": [0.002, 0.002, 0.003, 0.006]  # optional: seconds of drafter work per drafted step at each R
+      "draft_seconds": [0.002, 0.002, 0.003, 0.006],  # optional: seconds of drafter work per drafted step at each R
+      "draft_append_seconds": 2e-5       # optional, with draft_*: seconds per context position appended to one row
     }
 
 The two optional ``draft_*`` keys (both or neither) give the cost of the drafter's own work
@@ -26,6 +27,10 @@ then the drafting pass), which runs before the verify step whenever the engine d
 scheduler does not need it
 (once drafts exist their cost is sunk); ``dspark.engine.draft_gate`` does, to decide whether
 drafting pays at all on this hardware. ``draft_time(R)`` interpolates it like step time.
+``draft_append_seconds`` (``profile_append_cost``) prices context the drafter must catch up
+before it drafts: a row that the gate skipped for a while rebuilds its drafter cache from a
+window of recent positions (``engine/proposers/neural.py``), and the gate's probe budget
+counts that catch-up (``catchup_time``, 0 without the key).
 
 Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
 
@@ -79,7 +84,7 @@ SPS_FORMAT_VERSION = 1
 DEFAULT_FLAT_RTOL = 0.02  # smoothed SPS must fall by at least 2% over the profiled range
 
 _KEYS_REQUIRED = ("format", "format_version", "tokens", "steps_per_s", "device", "engine", "created_at")
-_KEYS_OPTIONAL = ("meta", "draft_requests", "draft_seconds")
+_KEYS_OPTIONAL = ("meta", "draft_requests", "draft_seconds", "draft_append_seconds")
 
 
 class SpsTableError(ValueError):
@@ -122,6 +127,7 @@ class SpsTable:
     meta: dict[str, Any] = field(default_factory=dict)  # how it was profiled (warmup, repeats, ...)
     draft_requests: list[int] | None = None  # batch sizes R at which the drafter pass was timed
     draft_seconds: list[float] | None = None  # seconds per drafter pass at each of them
+    draft_append_seconds: float | None = None  # seconds per context position appended to one row's drafter cache
     source: str = field(default="<in-memory table>", repr=False, compare=False)  # for messages only
 
     def __post_init__(self) -> None:
@@ -152,6 +158,8 @@ class SpsTable:
 
     def _check_draft_cost(self) -> None:
         if self.draft_requests is None and self.draft_seconds is None:
+            if self.draft_append_seconds is not None:
+                self._fail("'draft_append_seconds' needs 'draft_requests' and 'draft_seconds' (the drafter's pass)")
             return
         if self.draft_requests is None or self.draft_seconds is None:
             self._fail("'draft_requests' and 'draft_seconds' go together; one of them is missing")
@@ -161,6 +169,9 @@ class SpsTable:
                        f"({len(self.draft_seconds)}) must be non-empty and of equal length")
         self._check_counts("draft_requests", self.draft_requests)
         self.draft_seconds = self._check_numbers("draft_seconds", self.draft_seconds, allow_zero=True)
+        if self.draft_append_seconds is not None:
+            self.draft_append_seconds = self._check_numbers("draft_append_seconds", [self.draft_append_seconds],
+                                                            allow_zero=True)[0]
 
     def _check_counts(self, key: str, values: list) -> None:
         """``values`` are integers >= 1, strictly increasing (profiled token counts, batch sizes)."""
@@ -195,6 +206,11 @@ class SpsTable:
         i = next(k for k, x in enumerate(xs) if x >= requests)
         w = (requests - xs[i - 1]) / (xs[i] - xs[i - 1])
         return ts[i - 1] + w * (ts[i] - ts[i - 1])
+
+    def catchup_time(self, positions: int) -> float:
+        """Seconds to append ``positions`` context positions (over any rows) to the drafter's
+        cache: ``draft_append_seconds`` each, 0 for a table profiled without it."""
+        return max(positions, 0) * (self.draft_append_seconds or 0.0)
 
     def smoothed_steps_per_s(self) -> list[float]:
         """SPS at the profiled counts after the isotonic fit of step time (non-increasing)."""
@@ -261,6 +277,7 @@ class SpsTable:
             "meta": dict(self.meta),
             **({"draft_requests": list(self.draft_requests), "draft_seconds": list(self.draft_seconds)}
                if self.has_draft_cost else {}),
+            **({"draft_append_seconds": self.draft_append_seconds} if self.draft_append_seconds is not None else {}),
         }
 
     @classmethod
@@ -285,7 +302,7 @@ class SpsTable:
                     engine=data["engine"], created_at=data["created_at"],
                     format_version=data["format_version"], meta=data.get("meta", {}),
                     draft_requests=data.get("draft_requests"), draft_seconds=data.get("draft_seconds"),
-                    source=source)
+                    draft_append_seconds=data.get("draft_append_seconds"), source=source)
         if not allow_flat:
             table.check_profiled(flat_rtol)
         return table

@@ -157,6 +157,9 @@ class ProposerCost:
     work occupies the accelerator that runs the target (a neural drafter) or only the host
     (a suffix lookup), which a scheduler overlapping host work with the target step needs.
     ``known`` is False for a drafter whose cost was never profiled (the gate stays off).
+    ``catchup_s_per_row``: what a row that has not drafted for a while pays first, bringing
+    the proposer's context up to date (the neural proposer's idle window); the drafting
+    gate counts it in the price of a probe.
     """
 
     fixed_s: float = 0.0
@@ -164,6 +167,7 @@ class ProposerCost:
     table: object | None = None  # dspark.engine.sps.SpsTable with draft_requests/draft_seconds
     on_device: bool = False
     known: bool = True
+    catchup_s_per_row: float = 0.0
 
     def seconds(self, rows: int) -> float:
         if rows <= 0:
@@ -173,6 +177,10 @@ class ProposerCost:
         if not self.known:
             raise ValueError("this proposer's cost was never profiled (dspark profile --checkpoint ...)")
         return self.fixed_s + self.per_row_s * rows
+
+    def catchup_seconds(self, rows: int) -> float:
+        """Seconds for ``rows`` rows that have not drafted for a while to catch up their context."""
+        return max(rows, 0) * self.catchup_s_per_row
 
 
 class Proposer(ABC):

@@ -177,5 +177,7 @@ class NeuralProposer(Proposer):
 
     def cost(self) -> ProposerCost:
         if self._sps is not None and getattr(self._sps, "has_draft_cost", False):
-            return ProposerCost(table=self._sps, on_device=True)
+            # a row back from idle rebuilds its cache from a backlog of window..2*window positions
+            catchup = self._sps.catchup_time(round(1.5 * self.idle_context_tokens))
+            return ProposerCost(table=self._sps, on_device=True, catchup_s_per_row=catchup)
         return ProposerCost(on_device=True, known=False)

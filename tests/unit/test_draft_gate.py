@@ -104,6 +104,17 @@ def test_the_probe_interval_stops_doubling_where_probing_costs_the_budget():
     assert DraftGate(_table(draft_seconds=1e-4), max_tokens=64, min_probe=4).probe_cap(1, 1) == 4
 
 
+def test_a_probe_is_priced_with_its_rows_context_catch_up():
+    # the probe above plus 0.1 s per row to rebuild a skipped row's drafter context: 0.6 + 2 x 0.1 (2 rows)
+    plain = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, probe_budget=0.05)
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, probe_budget=0.05,
+                     catchup_time=lambda rows: 0.1 * rows)
+    for g in (plain, gate):
+        g.observe(2, verified=1, accepted=0)
+    assert gate.probe_cost(4, 2) == pytest.approx(plain.probe_cost(4, 2) + 0.2 / 1.3)  # a plain step of 4: 1.3 s
+    assert gate.probe_cap(4, 2) > plain.probe_cap(4, 2)  # a dearer probe comes less often
+
+
 def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=8, probe_rows=3)
     assert gate.rows_to_draft(16) == 3  # no history yet: a probe measures it, not the whole batch

@@ -255,6 +255,19 @@ def test_proposer_cost_reads_the_profiled_drafter_pass():
     assert ProposerCost(per_row_s=1e-4, fixed_s=1e-3).seconds(10) == pytest.approx(2e-3)
     assert ProposerCost(per_row_s=1.0).seconds(0) == 0.0
     assert SuffixProposer().cost().on_device is False
+    assert ProposerCost(catchup_s_per_row=0.002).catchup_seconds(4) == pytest.approx(0.008)
+    assert ProposerCost(table=table).catchup_seconds(4) == 0.0  # nothing to catch up unless said
+
+
+def test_a_neural_proposer_prices_the_catch_up_of_its_idle_window():
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    table = SpsTable(tokens=[1, 8, 64], steps_per_s=[40.0, 20.0, 5.0], device="cpu", engine="toy",
+                     draft_requests=[1, 16], draft_seconds=[0.01, 0.03], draft_append_seconds=1e-5)
+    prop = NeuralProposer(drafter, 2, sps=table)
+    # a row back from idle rebuilds from 1.5 windows of positions on average (window..2*window)
+    assert prop.cost().catchup_seconds(3) == pytest.approx(3 * 1.5 * prop.idle_context_tokens * 1e-5)
+    assert prop.cost().seconds(4) == pytest.approx(table.draft_time(4))
 
 
 def test_draft_batch_checks_shapes_and_counts_expected_accepts():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -59,6 +60,8 @@ def test_save_then_load_round_trips_every_field(tmp_path):
     (lambda d: d.update(draft_requests=[4, 1], draft_seconds=[0.1, 0.2]), "strictly increasing"),
     (lambda d: d.update(draft_requests=[1, 4], draft_seconds=[0.1]), "equal length"),
     (lambda d: d.update(draft_requests=[1], draft_seconds=[-0.1]), ">= 0"),
+    (lambda d: d.update(draft_append_seconds=1e-5), "needs 'draft_requests'"),
+    (lambda d: d.update(draft_requests=[1], draft_seconds=[0.1], draft_append_seconds=-1e-5), ">= 0"),
 ])
 def test_loader_refuses_corrupt_tables_with_a_one_line_reason_naming_the_file(tmp_path, mutate, needle):
     data = _table().to_dict()
@@ -105,6 +108,15 @@ def test_drafter_cost_round_trips_and_interpolates_like_step_time(tmp_path):
     assert not _table().has_draft_cost and "draft_requests" not in _table().to_dict()
     with pytest.raises(SpsTableError, match="no drafter cost"):
         _table().draft_time(1)
+
+
+def test_drafter_append_cost_round_trips_and_prices_a_catch_up(tmp_path):
+    table = _table(draft_requests=[1, 4], draft_seconds=[0.01, 0.02], draft_append_seconds=2e-5)
+    loaded = SpsTable.load(table.save(tmp_path / "sps.json"))
+    assert loaded == table and loaded.to_dict()["draft_append_seconds"] == 2e-5
+    assert loaded.catchup_time(100) == pytest.approx(2e-3) and loaded.catchup_time(0) == 0.0
+    older = _table(draft_requests=[1, 4], draft_seconds=[0.01, 0.02])  # profiled before the key existed
+    assert older.catchup_time(100) == 0.0 and "draft_append_seconds" not in older.to_dict()
 
 
 def test_as_tensor_hits_profiled_points_and_interpolates_step_time_linearly():
@@ -227,3 +239,17 @@ def test_profile_sps_times_a_real_callable():
 def test_plot_sps_writes_a_png(tmp_path):
     path = plot_sps(_table(), tmp_path / "plots" / "sps.png")
     assert path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_append_cost_times_a_real_drafter_per_appended_position():
+    from dspark.engine.bench import profile_append_cost
+    from dspark.training.models import build_drafter, drafter_config_for
+
+    from ..conftest import make_tiny_target, tiny_run_config
+
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    seconds = profile_append_cost(drafter, rows=2, positions=16, repeats=2)
+    assert math.isfinite(seconds) and 0.0 <= seconds < 0.01  # per position and row: far under a pass
+    with pytest.raises(ValueError, match="positions >= 2"):
+        profile_append_cost(drafter, positions=1)
