@@ -372,14 +372,14 @@ class SpecEngine:
             n = len(t)
             self.runner.set_length(r.slot, r.prefilled + n)
             r.prefilled += n
-            self._commit_to_proposers(r.slot, [], aux_host, i, n)
             if r.prefilled == len(r.prompt):
                 done.append((i, r))
+        self._commit_to_proposers([r.slot for r in reqs], [[]] * len(reqs), aux_host, [len(t) for t in toks])
         if done:
             first = self._first_tokens([r for _, r in done], torch.stack([out.logits[i, 0] for i, _ in done]))
+            self._commit_to_proposers([r.slot for _, r in done], [[tok] for tok in first])
             for (_, r), tok in zip(done, first):
                 r.anchor = tok
-                self._commit_to_proposers(r.slot, [tok])
                 self._emit(r, [tok])
         self._settle(reqs)
 
@@ -394,13 +394,15 @@ class SpecEngine:
         res = self._verify(reqs, batch, logits, lens, temps, coupled_only=True)
         return res.output_tokens[:, 0].tolist()
 
-    def _commit_to_proposers(self, slot: int, tokens: list[int], aux_host: torch.Tensor | None = None,
-                             row: int = 0, n: int = 0) -> None:
-        """Tell every proposer about committed tokens; features (rows ``:n`` of ``aux_host[row]``)
-        only to those that need them."""
-        feats = aux_host[row, :n] if aux_host is not None else None
+    def _commit_to_proposers(self, slots: list[int], tokens: list[list[int]], aux_host: torch.Tensor | None = None,
+                             counts: list[int] | None = None) -> None:
+        """Tell every proposer, in one call, about the tokens committed to ``slots``; features (row
+        i's first ``counts[i]`` rows of ``aux_host``) only to those that need them."""
         for p in self.proposers:
-            p.commit(slot, tokens, feats if p.needs_features else None)
+            if p.needs_features and aux_host is not None:
+                p.commit_many(slots, tokens, aux_host, counts)
+            else:
+                p.commit_many(slots, tokens)
 
     def _settle(self, reqs: list[_Request]) -> None:
         """End of a phase (its tokens were sent): the proposers' deferred work."""
@@ -537,9 +539,11 @@ class SpecEngine:
         conf = conf_logits if self.cfg.record_rounds else None
         lengths = self.runner.lengths.tolist()
         self.stats.decode_steps += 1
+        news = [emitted[i][: n_acc[i] + 1] for i in range(len(reqs))]
+        self._commit_to_proposers([r.slot for r in reqs], news, aux_host, [n + 1 for n in n_acc])
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
-            new = emitted[i][: n + 1]
+            new = news[i]
             self.runner.set_length(r.slot, lengths[r.slot] + n + 1)
             r.steps += 1
             r.drafted += l_
@@ -550,7 +554,6 @@ class SpecEngine:
                 self._by_name[source].observe(r.slot, conf_logits[i][:l_], l_, n)
             if self.cfg.record_rounds:
                 self.rounds.append(RoundRecord(r.rid, l_, n, conf[i] if conf is not None and has[i] else None))
-            self._commit_to_proposers(r.slot, new, aux_host, i, n + 1)
             r.anchor = new[-1]
             self._emit(r, new)
         self._settle(reqs)

@@ -18,7 +18,8 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
 
 Every run of a system starts a fresh engine (vLLM's caches start empty; our shared suffix index
 starts empty, or with ``--history N``: holding the outputs of N earlier requests on prompts that
-no level uses, the steady state of a server that has served them), ``--rounds`` rounds in
+no level uses, each eval set's last ones, the same whatever the levels take; the steady state
+of a server that has served them), ``--rounds`` rounds in
 rotating order (``run_order``). By default (``--order lockstep``) our systems run a level in
 one process on one loaded target, one engine step of each in turn (``lockstep``), each timed
 by its own steps only: the host's speed drifts by tens of percent over seconds to minutes,
@@ -91,22 +92,28 @@ class Level:
         return f"b{self.batch}-t{self.temperature:g}"
 
 
-def load_prompts(per_task: int, data_root: str | None = None) -> list[Prompt]:
-    """The first ``per_task`` first turns of math, code and chat, interleaved (math 0, code 0, chat 0, math 1, ...)."""
+def load_prompts(per_task: int, data_root: str | None = None, from_end: bool = False) -> list[Prompt]:
+    """``per_task`` first turns of math, code and chat, interleaved (math 0, code 0, chat 0, math 1,
+    ...): each eval set's first ones, or with ``from_end`` its last ones (in file order)."""
     from dspark.training.config import load_target_profile
     from dspark.training.data import load_eval_prompts
     from dspark.training.target import load_tokenizer
 
     tok = load_tokenizer(load_target_profile("smollm2-135m").source)
-    texts = {t: load_eval_prompts(t, per_task, data_root) for t in TASKS}
+    chosen = {}
+    for task in TASKS:
+        texts = load_eval_prompts(task, None if from_end else per_task, data_root)
+        start = max(len(texts) - per_task, 0) if from_end else 0
+        chosen[task] = list(enumerate(texts))[start:start + per_task]
     out = []
     for i in range(per_task):
         for task in TASKS:
-            if i < len(texts[task]):
-                ids = tok.apply_chat_template([{"role": "user", "content": texts[task][i]}], add_generation_prompt=True,
+            if i < len(chosen[task]):
+                index, text = chosen[task][i]
+                ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               tokenize=True)  # as Target.chat_prompt_ids
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-                out.append(Prompt(task, i, tuple(int(t) for t in ids)))
+                out.append(Prompt(task, index, tuple(int(t) for t in ids)))
     return out
 
 
@@ -137,9 +144,15 @@ def level_prompts(prompts: Sequence[Prompt], level: Level) -> list[Prompt]:
 
 
 def history_prompts(prompts_per_task: int, n: int, data_root: str | None = None) -> list[Prompt]:
-    """``n`` prompts no level uses: each eval set's prompts after its first ``prompts_per_task``, interleaved."""
-    extra = -(-n // len(TASKS))
-    return [p for p in load_prompts(prompts_per_task + extra, data_root) if p.index >= prompts_per_task][:n]
+    """``n`` prompts no level uses, the same whatever the levels need: each eval set's last
+    ``ceil(n / 3)`` prompts, interleaved; refused where they reach into the first
+    ``prompts_per_task`` (the levels' prompts)."""
+    per_task = -(-n // len(TASKS))
+    out = load_prompts(per_task, data_root, from_end=True)
+    if any(p.index < prompts_per_task for p in out):
+        raise ValueError(f"--history {n} takes each eval set's last {per_task} prompts, which overlap the first "
+                         f"{prompts_per_task} the levels use: lower --history or --prompts-per-task")
+    return out[:n]
 
 
 # -- recording and driving -------------------------------------------------------------------------------
@@ -808,8 +821,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--suffix-max-drafts", type=int, default=3)
     ap.add_argument("--suffix-scope", default="shared", help="shared | request")
     ap.add_argument("--history", type=int, default=0,
-                    help="earlier requests whose outputs the shared suffix index holds when a level starts (prompts "
-                         "no level uses; 0: every level starts with an empty index)")
+                    help="earlier requests whose outputs the shared suffix index holds when a level starts (each "
+                         "eval set's last prompts, which no level uses; 0: every level starts with an empty index)")
     ap.add_argument("--history-tokens", type=int, default=128, help="new tokens of each --history request")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument("--vllm-memory", type=float, default=0.3)

@@ -13,6 +13,8 @@ proposer must follow ``move``). The engine drives it through one cycle per reque
   never gets features. Feature row ``i`` belongs to sequence position ``i``; the token
   that follows it may arrive in a later ``commit`` (the prompt's last position waits for
   the first sampled token).
+- ``commit_many(slots, tokens, features, counts)``: the same for every slot of an engine
+  phase in one call (the engine's way; a proposer may batch its bookkeeping).
 - ``propose(slots, temperature, noise)``: up to ``max_drafts`` drafts per slot that
   continue its committed sequence, as a ``DraftBatch``; ``noise`` is the randomness of
   sampled drafts, row by row (``dspark.plugins.coupled.RaceNoise``, built by the engine from
@@ -197,6 +199,15 @@ class Proposer(ABC):
     @abstractmethod
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
         """``tokens`` appended to the slot's committed sequence; ``features`` [n, F] of the positions just run."""
+
+    def commit_many(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                    features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
+        """``commit`` for several slots at once (the engine calls it once per phase): ``tokens[i]``
+        appended to ``slots[i]``; ``features [R, L, F]`` (or None): row i's first ``counts[i]`` rows
+        are the features of ``slots[i]``'s new positions. Default: one ``commit`` per slot; a
+        proposer overrides it to batch its bookkeeping."""
+        for i, s in enumerate(slots):
+            self.commit(s, tokens[i], None if features is None else features[i, :counts[i]])
 
     @abstractmethod
     def propose(self, slots: Sequence[int], temperature: torch.Tensor, noise=None) -> DraftBatch:

@@ -18,17 +18,18 @@ rotary attention sees the same relative distances). A skipping drafter then runs
 context pass for the positions it skips (their features are still kept, on the host, until
 cut), and a probe, which drafts the rows that drafted least recently, catches up at most
 ``2 * IDLE_CONTEXT_TOKENS`` positions per row instead of everything since the row's last
-draft (hundreds of positions at a large batch, several times the drafter pass that the
-gate budgets a probe at). A slot the gate drafts keeps its whole context. Which context a
+draft (hundreds of positions at a large batch, several times the drafter pass). The gate
+prices that catch-up into a probe (``cost().catchup_s_per_row``, from the SPS table's
+profiled append cost). A slot the gate drafts keeps its whole context. Which context a
 drafter sees changes its drafts, never the output: verification is exact for any proposal.
 
 Pairing features with tokens: feature row i (sequence position i) enters the backlog with
-token i + 1, so a position's features wait in ``pending`` until the token after it is
-committed (the prompt's last position waits for the first sampled token).
+token i + 1, so a position whose next token is not committed yet (the prompt's last
+position, until the first sampled token; each round's last) waits outside the backlog.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -45,12 +46,20 @@ IDLE_CONTEXT_TOKENS = 32  # positions a skipped slot keeps for its next draft (m
 
 @dataclass
 class _SlotContext:
-    last_token: int  # the slot's last committed token: the anchor of its next block
-    upcoming: list[int] = field(default_factory=list)  # tokens after the last position paired with features
-    pending: list[torch.Tensor] = field(default_factory=list)  # feature rows still waiting for their next token
-    backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features [n, F], next tokens [n])
-    backlog_tokens: int = 0
+    row: int  # this slot's row of the feature ring (it follows the request through moves)
+    tokens: list[int]  # the committed sequence: prompt, then every committed token
+    fed: int = 0  # positions 0..fed-1 have their features (in the ring while not yet cached)
+    cached: int = 0  # positions before this one are in the drafter's cache, or were cut away
     stale: bool = False  # the drafter's cache of this slot was dropped: rebuild it from the backlog alone
+
+    @property
+    def paired(self) -> int:
+        """Positions whose features and next token are both known: position i pairs with token i + 1."""
+        return min(self.fed, len(self.tokens) - 1)
+
+    @property
+    def backlog(self) -> int:
+        return self.paired - self.cached
 
 
 class NeuralProposer(Proposer):
@@ -59,6 +68,12 @@ class NeuralProposer(Proposer):
     ``drafter``: a ``BlockDrafter`` (DSpark / DFlash) or ``Eagle3Drafter``; ``sps``: an SPS table
     with the profiled drafter pass (its cost), or None; ``sts_temperatures``: per-position STS
     temperatures for the confidence head (``engine/sts.py``), or None (raw sigmoid).
+
+    Features not yet in the drafter's cache live in one ring ``[max_slots, capacity, F]`` (position
+    p of a slot at ``p % capacity`` of its row), written for all rows of an engine phase at once
+    (``commit_many``): a step's bookkeeping is a few tensor operations, not a few per row. The
+    capacity is ``max_backlog_tokens`` plus two rounds of positions, grown (never flushed early)
+    when a prompt chunk brings more.
     """
 
     needs_features = True
@@ -76,59 +91,88 @@ class NeuralProposer(Proposer):
         self.idle_context_tokens = IDLE_CONTEXT_TOKENS
         self.idle = False  # the engine's gate is skipping the drafter: cut backlogs instead of flushing them
         self._slots: dict[int, _SlotContext] = {}
+        self._free_rows = list(range(max_slots - 1, -1, -1))
+        self._ring: torch.Tensor | None = None  # [max_slots, capacity, F], allocated by the first features
+        self._max_slots = max_slots
 
     # -- the slot cycle --------------------------------------------------------------------------
     def reset(self, slot: int, prompt: Sequence[int]) -> None:
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         self.runner.reset(slot)
-        self._slots[slot] = _SlotContext(last_token=int(prompt[-1]), upcoming=[int(t) for t in prompt[1:]])
+        old = self._slots.pop(slot, None)
+        row = old.row if old is not None else self._free_rows.pop()
+        self._slots[slot] = _SlotContext(row=row, tokens=[int(t) for t in prompt])
 
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
-        st = self._slots[slot]
-        if len(tokens):
-            st.upcoming.extend(int(t) for t in tokens)
-            st.last_token = int(tokens[-1])
-        if features is not None and features.shape[0]:
-            st.pending.append(features)
-        waiting = sum(f.shape[0] for f in st.pending)
-        k = min(waiting, len(st.upcoming))
-        if k == 0:
-            return
-        # one copy: the rows must own their memory (the engine's feature tensor is the whole batch's)
-        rows = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0].clone()
-        st.pending = [rows[k:]] if k < waiting else []
-        st.backlog.append((rows[:k], torch.tensor(st.upcoming[:k], dtype=torch.long)))
-        st.backlog_tokens += k
-        del st.upcoming[:k]
+        feats = None if features is None else features.unsqueeze(0)
+        self.commit_many([slot], [tokens], feats, None if features is None else [features.shape[0]])
+
+    def commit_many(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                    features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
+        """Committed tokens of every slot, then their new positions' features into the ring in one write."""
+        entries = []
+        for i, s in enumerate(slots):
+            st = self._slots[s]
+            if len(tokens[i]):
+                st.tokens.extend(int(t) for t in tokens[i])
+            if features is not None and counts[i]:
+                entries.append((i, s, st, int(counts[i])))
+        if entries:
+            self._store(features, entries)
+
+    def _ring_for(self, features: torch.Tensor) -> torch.Tensor:
+        F = features.shape[-1]
+        if self._ring is None or self._ring.shape[2] != F or self._ring.dtype != features.dtype:
+            capacity = self.max_backlog_tokens + 2 * (self.max_drafts + 1)
+            self._ring = torch.zeros(self._max_slots, capacity, F, dtype=features.dtype)
+        return self._ring
+
+    def _store(self, features: torch.Tensor, entries: list[tuple[int, int, _SlotContext, int]]) -> None:
+        """Write ``features[i, :n]`` at positions ``st.fed ..`` of each entry's ring row."""
+        ring = self._ring_for(features)
+        need = max(st.fed + n - st.cached for _, _, st, n in entries)
+        if need > ring.shape[1]:  # a prompt chunk longer than the ring holds unflushed
+            ring = self._grow(need)
+        C = ring.shape[1]
+        n = torch.tensor([e[3] for e in entries])
+        src_row = torch.repeat_interleave(torch.tensor([e[0] for e in entries]), n)
+        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        start = torch.repeat_interleave(torch.tensor([e[2].fed for e in entries]), n)
+        row = torch.repeat_interleave(torch.tensor([e[2].row for e in entries]), n)
+        flat = ring.view(-1, ring.shape[2])
+        flat.index_copy_(0, row * C + (start + offset) % C, features[src_row, offset].to(ring.dtype))
+        for _, _, st, k in entries:
+            st.fed += k
+
+    def _grow(self, need: int) -> torch.Tensor:
+        """A ring of at least ``need`` positions per row, holding every slot's unflushed positions."""
+        old, C = self._ring, self._ring.shape[1]
+        new_c = -(-need // 64) * 64
+        self._ring = torch.empty(old.shape[0], new_c, old.shape[2], dtype=old.dtype)
+        for st in self._slots.values():
+            pos = torch.arange(st.cached, st.fed)
+            self._ring[st.row, pos % new_c] = old[st.row, pos % C]
+        return self._ring
 
     def settle(self, slots: Sequence[int]) -> None:
         """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
-        live = {s: self._slots[s] for s in slots if s in self._slots}
+        live = [s for s in slots if s in self._slots]
         if self.idle:
             keep = self.idle_context_tokens
-            for st in live.values():
-                if st.backlog_tokens >= min(2 * keep, self.max_backlog_tokens):
-                    self._cut(st, keep)
+            for s in live:
+                st = self._slots[s]
+                if st.backlog >= min(2 * keep, self.max_backlog_tokens):
+                    st.cached = max(st.cached, st.paired - keep)  # older positions go, with the drafter's cache
+                    st.stale = True
             return
-        self._flush([s for s, st in live.items() if st.backlog_tokens >= self.max_backlog_tokens])
-
-    @staticmethod
-    def _joined(st: _SlotContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's backlog as one (features [n, F], next tokens [n]) pair."""
-        return torch.cat([a for a, _ in st.backlog]), torch.cat([t for _, t in st.backlog])
-
-    @classmethod
-    def _cut(cls, st: _SlotContext, keep: int) -> None:
-        """Keep the most recent ``keep`` backlog positions of a slot and drop its drafter cache."""
-        aux, nxt = cls._joined(st)
-        st.backlog = [(aux[-keep:].clone(), nxt[-keep:].clone())]
-        st.backlog_tokens = st.backlog[0][1].shape[0]
-        st.stale = True
+        self._flush([s for s in live if self._slots[s].backlog >= self.max_backlog_tokens])
 
     def release(self, slot: int) -> None:
-        self._slots.pop(slot, None)
+        st = self._slots.pop(slot, None)
+        if st is not None:
+            self._free_rows.append(st.row)
 
     def move(self, src: int, dst: int) -> None:
         self.runner.move(src, dst)
@@ -136,7 +180,7 @@ class NeuralProposer(Proposer):
 
     def backlog_tokens(self, slot: int) -> int:
         """Committed positions of ``slot`` not yet in the drafter's cache (paired with their next token)."""
-        return self._slots[slot].backlog_tokens
+        return self._slots[slot].backlog
 
     def _flush(self, slots: Sequence[int]) -> None:
         """Bring the drafter's cache up to date for ``slots`` (one batched append of their backlogs)."""
@@ -146,11 +190,12 @@ class NeuralProposer(Proposer):
             if st.stale:
                 self.runner.reset(s)
                 st.stale = False
-            if st.backlog:
-                aux, nxt = self._joined(st)
-                rows.append((s, aux, nxt))
-                st.backlog.clear()
-                st.backlog_tokens = 0
+            lo, hi = st.cached, st.paired
+            if hi > lo:
+                C = self._ring.shape[1]
+                aux = self._ring[st.row].index_select(0, torch.arange(lo, hi) % C)
+                rows.append((s, aux, torch.tensor(st.tokens[lo + 1:hi + 1], dtype=torch.long)))
+                st.cached = hi
         if rows:
             self.runner.append(rows)
 
@@ -162,7 +207,7 @@ class NeuralProposer(Proposer):
         if not slots:
             return DraftBatch.empty(0, self.max_drafts, source=self.name)
         self._flush(slots)
-        anchors = torch.tensor([self._slots[s].last_token for s in slots], device=self.device)
+        anchors = torch.tensor([self._slots[s].tokens[-1] for s in slots], device=self.device)
         prop = self.runner.propose(slots, anchors, temperature.to(self.device), noise)
         tokens = prop.tokens.cpu()
         R, K = tokens.shape

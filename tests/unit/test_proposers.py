@@ -182,6 +182,51 @@ def test_neural_backlog_waits_for_a_draft_and_follows_a_move():
         prop.cost().seconds(1)
 
 
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["commit", "settle", "idle", "draft"])),
+                    min_size=1, max_size=60))
+def test_the_feature_ring_hands_the_drafter_each_position_with_its_next_token(ops):
+    """Whatever the mix of commits, flushes, idle cuts and wrap-arounds of the (small) ring, every
+    append since a cache reset is the next run of consecutive positions, each with its own features
+    and the token after it, and a draft appends everything paired so far."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    F = drafter.fc.in_features
+    prop = NeuralProposer(drafter, 2)
+    prop.max_backlog_tokens, prop.idle_context_tokens = 6, 2  # a ring of 6 + 2 (K + 1) positions
+    log: list[tuple[str, list[int], list[int]]] = []
+    prop.runner.append = lambda rows: log.extend(("append", r[1][:, 0].long().tolist(), r[2].tolist()) for r in rows)
+    reset = prop.runner.reset
+    prop.runner.reset = lambda slot: (log.append(("reset", [], [])), reset(slot))
+    seq = [5, 6, 7]  # the committed sequence
+    prop.reset(0, seq)
+    fed = 0
+    for n, op in ops:
+        if op == "commit":  # features of the next n positions, then tokens up to one past them
+            take = min(n, len(seq) - fed)
+            prop.commit(0, [], torch.arange(fed, fed + take).float().unsqueeze(1).expand(take, F))
+            fed += take
+            new = [3 + (7 * k) % 50 for k in range(len(seq), len(seq) + n)]
+            prop.commit(0, new)
+            seq += new
+        elif op in ("settle", "idle"):
+            prop.idle = op == "idle"
+            prop.settle([0])
+            assert prop.backlog_tokens(0) < max(prop.max_backlog_tokens, 2 * prop.idle_context_tokens)
+        else:
+            prop.propose([0], torch.zeros(1))
+            assert prop.backlog_tokens(0) == 0
+    expect = None
+    for kind, positions, tokens in log:
+        if kind == "reset":
+            expect = None
+            continue
+        assert positions == list(range(positions[0], positions[0] + len(positions)))
+        assert expect is None or positions[0] == expect  # no gap and no repeat within one cache
+        assert tokens == [seq[p + 1] for p in positions]
+        expect = positions[-1] + 1
+
+
 @pytest.mark.parametrize("algo", ["dspark", "eagle3"])
 def test_an_idle_neural_proposer_keeps_only_a_window_of_recent_context(algo):
     """While the gate skips the drafter, a backlog is cut to its recent positions and the slot's

@@ -244,3 +244,16 @@ def test_a_steps_decode_time_is_shared_equally_by_its_rows_and_host_is_what_the_
     assert totals["b"] == pytest.approx({"neural": 0.004, "suffix": 0.001, "verify": 0.030, "host": 0.005})
     assert totals["a"] == pytest.approx({"neural": 0.004, "suffix": 0.003, "verify": 0.090, "host": 0.023})
     assert sum(totals["a"].values()) + sum(totals["b"].values()) == pytest.approx(2 * (0.100 - 0.020))
+
+
+def test_history_prompts_are_each_eval_sets_last_whatever_the_levels_take():
+    from dspark.engine.sidebyside import history_prompts, load_prompts
+
+    a, b = history_prompts(22, 6), history_prompts(43, 6)
+    assert a == b and len(a) == 6 and [p.task for p in a[:3]] == ["math", "code", "chat"]
+    ends = {p.task: p.index for p in load_prompts(1, from_end=True)}  # each set's very last prompt
+    assert {p.task: p.index for p in a[3:]} == ends
+    firsts = {p.ids for p in load_prompts(43)}
+    assert not firsts & {p.ids for p in a}  # no level's prompt
+    with pytest.raises(ValueError, match="overlap"):
+        history_prompts(79, 6)  # chat has 80 prompts: its last two are among the first 79
