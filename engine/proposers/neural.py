@@ -93,6 +93,7 @@ class NeuralProposer(Proposer):
         self._slots: dict[int, _SlotContext] = {}
         self._free_rows = list(range(max_slots - 1, -1, -1))
         self._ring: torch.Tensor | None = None  # [max_slots, capacity, F], allocated by the first features
+        self._touched: set[int] = set()  # ring rows written once (their pages are mapped: no faults per step)
         self._max_slots = max_slots
 
     # -- the slot cycle --------------------------------------------------------------------------
@@ -125,8 +126,18 @@ class NeuralProposer(Proposer):
         F = features.shape[-1]
         if self._ring is None or self._ring.shape[2] != F or self._ring.dtype != features.dtype:
             capacity = self.max_backlog_tokens + 2 * (self.max_drafts + 1)
-            self._ring = torch.zeros(self._max_slots, capacity, F, dtype=features.dtype)
+            self._ring = torch.empty(self._max_slots, capacity, F, dtype=features.dtype)
+            self._touched = set()
         return self._ring
+
+    def _touch(self, rows) -> None:
+        """Zero ring rows on their first use: their memory is mapped then, once, rather than a few
+        pages per step as positions advance (page faults cost more than the writes); rows no
+        request uses stay unmapped."""
+        for row in rows:
+            if row not in self._touched:
+                self._ring[row].zero_()
+                self._touched.add(row)
 
     def _store(self, features: torch.Tensor, entries: list[tuple[int, int, _SlotContext, int]]) -> None:
         """Write ``features[i, :n]`` at positions ``st.fed ..`` of each entry's ring row."""
@@ -135,6 +146,7 @@ class NeuralProposer(Proposer):
         if need > ring.shape[1]:  # a prompt chunk longer than the ring holds unflushed
             ring = self._grow(need)
         C = ring.shape[1]
+        self._touch(st.row for _, _, st, _ in entries)
         n = torch.tensor([e[3] for e in entries])
         src_row = torch.repeat_interleave(torch.tensor([e[0] for e in entries]), n)
         offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
@@ -150,6 +162,8 @@ class NeuralProposer(Proposer):
         old, C = self._ring, self._ring.shape[1]
         new_c = -(-need // 64) * 64
         self._ring = torch.empty(old.shape[0], new_c, old.shape[2], dtype=old.dtype)
+        self._touched = set()
+        self._touch(st.row for st in self._slots.values())
         for st in self._slots.values():
             pos = torch.arange(st.cached, st.fed)
             self._ring[st.row, pos % new_c] = old[st.row, pos % C]
