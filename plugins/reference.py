@@ -84,6 +84,8 @@ def process_logits(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if not bool(greedy.any()):  # all sampled: no one-hot rows to build ([..., V] of them is costly)
+        return probs
     onehot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
     return torch.where(greedy.unsqueeze(-1), onehot, probs)
 
