@@ -111,16 +111,31 @@ class NeuralProposer(Proposer):
 
     def commit_many(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                     features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
-        """Committed tokens of every slot, then their new positions' features into the ring in one write."""
+        """Committed tokens of every slot, then their new positions' features into the ring in one
+        write. While ``idle``, positions the end-of-phase cut would drop are cut now, unwritten (a
+        prompt chunk then costs the ring its last ``idle_context_tokens`` positions, not all)."""
         entries = []
         for i, s in enumerate(slots):
             st = self._slots[s]
             if len(tokens[i]):
                 st.tokens.extend(int(t) for t in tokens[i])
-            if features is not None and counts[i]:
-                entries.append((i, s, st, int(counts[i])))
+            n = int(counts[i]) if features is not None else 0
+            if n:
+                skip = self._cut_ahead(st, n) if self.idle else 0
+                entries.append((i, st, skip, n))
         if entries:
             self._store(features, entries)
+
+    def _cut_ahead(self, st: _SlotContext, n: int) -> int:
+        """The cut ``settle`` makes while idle, applied before ``n`` new positions are written;
+        -> how many of them fall before the kept window (not to be written)."""
+        keep = self.idle_context_tokens
+        paired = min(st.fed + n, len(st.tokens) - 1)
+        if paired - st.cached < min(2 * keep, self.max_backlog_tokens):
+            return 0
+        st.cached = max(st.cached, paired - keep)
+        st.stale = True
+        return max(0, min(st.cached - st.fed, n))
 
     def _ring_for(self, features: torch.Tensor) -> torch.Tensor:
         F = features.shape[-1]
@@ -139,28 +154,31 @@ class NeuralProposer(Proposer):
                 self._ring[row].zero_()
                 self._touched.add(row)
 
-    def _store(self, features: torch.Tensor, entries: list[tuple[int, int, _SlotContext, int]]) -> None:
-        """Write ``features[i, :n]`` at positions ``st.fed ..`` of each entry's ring row."""
+    def _store(self, features: torch.Tensor, entries: list[tuple[int, _SlotContext, int, int]]) -> None:
+        """For each entry (i, st, lo, n): write ``features[i, lo:n]`` at positions ``st.fed + lo ..``
+        of the slot's ring row; its first ``lo`` positions are already cut. ``st.fed`` moves by n."""
         ring = self._ring_for(features)
-        need = max(st.fed + n - st.cached for _, _, st, n in entries)
+        need = max(st.fed + n - st.cached for _, st, _, n in entries)  # positions each row holds
         if need > ring.shape[1]:  # a prompt chunk longer than the ring holds unflushed
             ring = self._grow(need)
         C = ring.shape[1]
-        self._touch(st.row for _, _, st, _ in entries)
-        n = torch.tensor([e[3] for e in entries])
+        self._touch(st.row for _, st, _, _ in entries)
+        lo = torch.tensor([e[2] for e in entries])
+        n = torch.tensor([e[3] for e in entries]) - lo
         src_row = torch.repeat_interleave(torch.tensor([e[0] for e in entries]), n)
         offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        start = torch.repeat_interleave(torch.tensor([e[2].fed for e in entries]), n)
-        row = torch.repeat_interleave(torch.tensor([e[2].row for e in entries]), n)
+        offset += torch.repeat_interleave(lo, n)
+        start = torch.repeat_interleave(torch.tensor([e[1].fed for e in entries]), n)
+        row = torch.repeat_interleave(torch.tensor([e[1].row for e in entries]), n)
         flat = ring.view(-1, ring.shape[2])
         flat.index_copy_(0, row * C + (start + offset) % C, features[src_row, offset].to(ring.dtype))
-        for _, _, st, k in entries:
+        for _, st, _, k in entries:
             st.fed += k
 
     def _grow(self, need: int) -> torch.Tensor:
         """A ring of at least ``need`` positions per row, holding every slot's unflushed positions."""
         old, C = self._ring, self._ring.shape[1]
-        new_c = -(-need // 64) * 64
+        new_c = max(2 * C, -(-need // 64) * 64)  # doubling: a long prompt grows it once, not per chunk
         self._ring = torch.empty(old.shape[0], new_c, old.shape[2], dtype=old.dtype)
         self._touched = set()
         self._touch(st.row for st in self._slots.values())

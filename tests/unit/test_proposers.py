@@ -227,6 +227,25 @@ def test_the_feature_ring_hands_the_drafter_each_position_with_its_next_token(op
         expect = positions[-1] + 1
 
 
+def test_an_idle_proposer_writes_only_the_window_of_a_long_prompt():
+    """While idle, a prompt chunk past the window is cut as it arrives: the ring keeps its size and
+    the next draft's context is the chunk's last positions."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    F = drafter.fc.in_features
+    prop = NeuralProposer(drafter, 1)
+    prop.idle = True
+    prompt = [3 + (7 * i) % 50 for i in range(400)]
+    prop.reset(0, prompt)
+    prop.commit(0, [], torch.arange(400).float().unsqueeze(1).expand(400, F))
+    capacity = prop.max_backlog_tokens + 2 * (prop.max_drafts + 1)
+    assert prop._ring.shape[1] == capacity and prop.backlog_tokens(0) == prop.idle_context_tokens
+    seen = []
+    prop.runner.append = lambda rows: seen.extend(r[1][:, 0].long().tolist() for r in rows)
+    prop._flush([0])
+    assert seen == [list(range(399 - prop.idle_context_tokens, 399))]  # position 399 awaits its next token
+
+
 @pytest.mark.parametrize("algo", ["dspark", "eagle3"])
 def test_an_idle_neural_proposer_keeps_only_a_window_of_recent_context(algo):
     """While the gate skips the drafter, a backlog is cut to its recent positions and the slot's
