@@ -129,13 +129,16 @@ class NeuralProposer(Proposer):
     def _cut_ahead(self, st: _SlotContext, n: int) -> int:
         """The cut ``settle`` makes while idle, applied before ``n`` new positions are written;
         -> how many of them fall before the kept window (not to be written)."""
-        keep = self.idle_context_tokens
-        paired = min(st.fed + n, len(st.tokens) - 1)
-        if paired - st.cached < min(2 * keep, self.max_backlog_tokens):
-            return 0
-        st.cached = max(st.cached, paired - keep)
-        st.stale = True
+        self._idle_cut(st, min(st.fed + n, len(st.tokens) - 1))
         return max(0, min(st.cached - st.fed, n))
+
+    def _idle_cut(self, st: _SlotContext, paired: int) -> None:
+        """With ``paired`` positions paired, a backlog of at least twice the window (or the backlog
+        bound) keeps only its last ``idle_context_tokens`` and drops the slot's drafter cache."""
+        keep = self.idle_context_tokens
+        if paired - st.cached >= min(2 * keep, self.max_backlog_tokens):
+            st.cached = max(st.cached, paired - keep)
+            st.stale = True
 
     def _ring_for(self, features: torch.Tensor) -> torch.Tensor:
         F = features.shape[-1]
@@ -192,12 +195,9 @@ class NeuralProposer(Proposer):
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
         live = [s for s in slots if s in self._slots]
         if self.idle:
-            keep = self.idle_context_tokens
             for s in live:
                 st = self._slots[s]
-                if st.backlog >= min(2 * keep, self.max_backlog_tokens):
-                    st.cached = max(st.cached, st.paired - keep)  # older positions go, with the drafter's cache
-                    st.stale = True
+                self._idle_cut(st, st.paired)
             return
         self._flush([s for s in live if self._slots[s].backlog >= self.max_backlog_tokens])
 
