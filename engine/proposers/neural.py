@@ -166,17 +166,15 @@ class NeuralProposer(Proposer):
             ring = self._grow(need)
         C = ring.shape[1]
         self._touch(st.row for _, st, _, _ in entries)
-        lo = torch.tensor([e[2] for e in entries])
-        n = torch.tensor([e[3] for e in entries]) - lo
-        src_row = torch.repeat_interleave(torch.tensor([e[0] for e in entries]), n)
-        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-        offset += torch.repeat_interleave(lo, n)
-        start = torch.repeat_interleave(torch.tensor([e[1].fed for e in entries]), n)
-        row = torch.repeat_interleave(torch.tensor([e[1].row for e in entries]), n)
-        flat = ring.view(-1, ring.shape[2])
-        flat.index_copy_(0, row * C + (start + offset) % C, features[src_row, offset].to(ring.dtype))
-        for _, st, _, k in entries:
-            st.fed += k
+        L = features.shape[1]
+        src, dst = [], []  # a few positions per row in a decode step: host lists, then one gather and one scatter
+        for i, st, lo, n in entries:
+            src.extend(range(i * L + lo, i * L + n))
+            base = st.row * C
+            dst.extend(base + p % C for p in range(st.fed + lo, st.fed + n))
+            st.fed += n
+        rows = features.reshape(-1, features.shape[2])[torch.tensor(src)]
+        ring.view(-1, ring.shape[2]).index_copy_(0, torch.tensor(dst), rows.to(ring.dtype))
 
     def _grow(self, need: int) -> torch.Tensor:
         """A ring of at least ``need`` positions per row, holding every slot's unflushed positions."""

@@ -6,7 +6,6 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 #include <vector>
 
 #include <pybind11/pybind11.h>
@@ -18,6 +17,23 @@ constexpr int64_t kRoot = 0;
 constexpr int64_t kNone = -1;
 using Ids = std::vector<int64_t>;
 
+// One node's fields side by side: a token appended touches about three nodes per window (the
+// new one, its parent, the parent's best child), each one cache miss here rather than one per
+// field. After a target forward pass has flushed the caches, misses are what indexing costs.
+struct Node {
+  int64_t stamp;    // recency of the last increment (ties of ``best``)
+  int32_t count;    // occurrences
+  int32_t out;      // occurrences followed by a token (sum of children's counts)
+  int32_t depth;
+  int32_t link;     // node of s[1:]
+  int32_t parent;
+  uint32_t token;
+  int32_t best;     // child with the largest count, or -1
+  int32_t first;    // first child, or -1
+  int32_t next;     // next sibling, or -1
+  int32_t prev;     // previous sibling, or -1
+};
+
 struct Sequence {
   Ids ends;             // per position: the node of the longest window ending there
   int64_t head = kRoot;  // node of the last min(D - 1, len) tokens
@@ -26,6 +42,80 @@ struct Sequence {
 inline uint64_t edge_key(int64_t parent, int64_t token) {
   return (static_cast<uint64_t>(parent) << 32) | static_cast<uint64_t>(token);
 }
+
+// Edges (parent << 32 | token) -> child, open addressing with linear probing: a lookup is one
+// cache line where a node-based hash map costs two or three. Load factor at most 1/2;
+// deletion shifts the following run back (no tombstones).
+class EdgeTable {
+ public:
+  EdgeTable() { rehash(64); }
+
+  int64_t find(uint64_t key) const {
+    for (size_t i = slot(key);; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return vals_[i];
+      if (keys_[i] == kEmpty) return kNone;
+    }
+  }
+
+  void insert(uint64_t key, int32_t val) {
+    if (2 * (size_ + 1) > keys_.size()) rehash(2 * keys_.size());
+    size_t i = slot(key);
+    while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask_;
+    if (keys_[i] == kEmpty) ++size_;
+    keys_[i] = key;
+    vals_[i] = val;
+  }
+
+  void erase(uint64_t key) {
+    size_t i = slot(key);
+    while (keys_[i] != key) {
+      if (keys_[i] == kEmpty) return;
+      i = (i + 1) & mask_;
+    }
+    --size_;
+    for (size_t j = (i + 1) & mask_; keys_[j] != kEmpty; j = (j + 1) & mask_) {
+      const size_t home = slot(keys_[j]);
+      if (((j - home) & mask_) >= ((j - i) & mask_)) {  // home is not in (i, j]: the entry may move to i
+        keys_[i] = keys_[j];
+        vals_[i] = vals_[j];
+        i = j;
+      }
+    }
+    keys_[i] = kEmpty;
+  }
+
+  size_t size() const { return size_; }
+  size_t nbytes() const { return keys_.capacity() * sizeof(uint64_t) + vals_.capacity() * sizeof(int32_t); }
+
+  std::map<uint64_t, int64_t> items() const {
+    std::map<uint64_t, int64_t> out;
+    for (size_t i = 0; i < keys_.size(); ++i)
+      if (keys_[i] != kEmpty) out[keys_[i]] = vals_[i];
+    return out;
+  }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};  // never a key: parent ids are below 2**31
+
+  size_t slot(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_); }
+
+  void rehash(size_t capacity) {
+    std::vector<uint64_t> keys(capacity, kEmpty);
+    std::vector<int32_t> vals(capacity, 0);
+    keys.swap(keys_);
+    vals.swap(vals_);
+    mask_ = capacity - 1;
+    shift_ = 64 - __builtin_ctzll(capacity);
+    size_ = 0;
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (keys[i] != kEmpty) insert(keys[i], vals[i]);
+  }
+
+  std::vector<uint64_t> keys_;
+  std::vector<int32_t> vals_;
+  size_t mask_ = 0, size_ = 0;
+  int shift_ = 64;
+};
 
 class SuffixTrie {
  public:
@@ -37,12 +127,11 @@ class SuffixTrie {
   int64_t max_depth() const { return max_depth_; }
   int64_t version() const { return version_; }
   int64_t num_tokens() const { return num_tokens_; }
-  int64_t num_nodes() const { return static_cast<int64_t>(count_.size() - free_.size()); }
+  int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size() - free_.size()); }
 
   int64_t nbytes() const {
-    int64_t n = static_cast<int64_t>(11 * count_.capacity() * sizeof(int64_t) + free_.capacity() * sizeof(int64_t));
-    n += static_cast<int64_t>(edges_.size() * (sizeof(uint64_t) + sizeof(int64_t) + 2 * sizeof(void*)) +
-                              edges_.bucket_count() * sizeof(void*));
+    int64_t n = static_cast<int64_t>(nodes_.capacity() * sizeof(Node) + free_.capacity() * sizeof(int32_t));
+    n += static_cast<int64_t>(edges_.nbytes());
     for (const auto& kv : seqs_) n += static_cast<int64_t>(kv.second.ends.capacity() * sizeof(int64_t));
     return n;
   }
@@ -77,20 +166,22 @@ class SuffixTrie {
       int64_t u = s.head, prev = kNone, head = kNone, deepest = kNone;
       while (true) {  // the windows ending at c: (suffixes of head) + c, longest first
         const uint64_t key = edge_key(u, c);
-        auto it = edges_.find(key);
-        int64_t v = it == edges_.end() ? new_node(u, c, key) : it->second;
-        count_[v] += 1;
-        stamp_[v] = tick;
-        out_[u] += 1;
-        const int64_t b = best_[u];
-        if (b != v && (b == kNone || count_[v] >= count_[b])) best_[u] = v;
-        if (prev != kNone) link_[prev] = v; else deepest = v;
-        if (head == kNone && depth_[v] < max_depth_) head = v;
+        int64_t v = edges_.find(key);
+        if (v == kNone) v = new_node(u, c, key);
+        Node& nv = nodes_[v];
+        Node& nu = nodes_[u];
+        nv.count += 1;
+        nv.stamp = tick;
+        nu.out += 1;
+        const int64_t b = nu.best;
+        if (b != v && (b == kNone || nv.count >= nodes_[b].count)) nu.best = static_cast<int32_t>(v);
+        if (prev != kNone) nodes_[prev].link = static_cast<int32_t>(v); else deepest = v;
+        if (head == kNone && nv.depth < max_depth_) head = v;
         prev = v;
         if (u == kRoot) break;
-        u = link_[u];
+        u = nu.link;
       }
-      link_[prev] = kRoot;  // the one-token window
+      nodes_[prev].link = kRoot;  // the one-token window
       s.head = head;
       s.ends.push_back(deepest);
       ++num_tokens_;
@@ -106,13 +197,13 @@ class SuffixTrie {
     for (auto e = s.ends.rbegin(); e != s.ends.rend(); ++e) {
       int64_t v = *e;
       while (v != kRoot) {
-        const int64_t u = parent_[v], nxt = link_[v];
-        count_[v] -= 1;
-        out_[u] -= 1;
-        if (count_[v] == 0) {
+        const int64_t u = nodes_[v].parent, nxt = nodes_[v].link;
+        nodes_[v].count -= 1;
+        nodes_[u].out -= 1;
+        if (nodes_[v].count == 0) {
           free_node(v);
-          if (best_[u] == v) rescan_best(u);
-        } else if (best_[u] == v) {
+          if (nodes_[u].best == v) rescan_best(u);
+        } else if (nodes_[u].best == v) {
           rescan_best(u);
         }
         v = nxt;
@@ -121,67 +212,82 @@ class SuffixTrie {
     }
   }
 
-  int64_t child(int64_t u, int64_t token) const {
-    auto it = edges_.find(edge_key(u, token));
-    return it == edges_.end() ? kNone : it->second;
-  }
+  int64_t child(int64_t u, int64_t token) const { return edges_.find(edge_key(u, token)); }
 
   Ids children(int64_t u) const {
     Ids out;
-    for (int64_t v = first_.at(u); v != kNone; v = next_[v]) out.push_back(v);
+    for (int64_t v = node(u).first; v != kNone; v = nodes_[v].next) out.push_back(v);
     return out;
   }
 
-  int64_t advance(int64_t node, int64_t token) const {
+  int64_t advance(int64_t node_id, int64_t token) const {
+    int64_t u = node_id;
+    node(u);
     while (true) {
-      if (depth_.at(node) < max_depth_) {
-        auto it = edges_.find(edge_key(node, token));
-        if (it != edges_.end()) return it->second;
+      if (nodes_[u].depth < max_depth_) {
+        const int64_t v = edges_.find(edge_key(u, token));
+        if (v != kNone) return v;
       }
-      if (node == kRoot) return kRoot;
-      node = link_[node];
+      if (u == kRoot) return kRoot;
+      u = nodes_[u].link;
     }
   }
 
   int64_t match(const Ids& tokens) const {
-    int64_t node = kRoot;
+    int64_t u = kRoot;
     const size_t n = tokens.size(), D = static_cast<size_t>(max_depth_);
-    for (size_t i = n > D ? n - D : 0; i < n; ++i) node = advance(node, tokens[i]);
-    return node;
+    for (size_t i = n > D ? n - D : 0; i < n; ++i) u = advance(u, tokens[i]);
+    return u;
   }
 
-  std::tuple<Ids, Ids, Ids, Ids> draft(int64_t node, int64_t k, int64_t min_depth) const {
+  std::tuple<Ids, Ids, Ids, Ids> draft(int64_t node_id, int64_t k, int64_t min_depth) const {
     Ids toks, counts, totals, depths;
-    depth_.at(node);
+    int64_t u = node_id;
+    node(u);
     for (int64_t i = 0; i < k; ++i) {
-      while (depth_[node] >= min_depth && (depth_[node] >= max_depth_ || best_[node] == kNone)) node = link_[node];
-      if (depth_[node] < min_depth || node == kRoot) break;
-      const int64_t b = best_[node];
-      toks.push_back(token_[b]);
-      counts.push_back(count_[b]);
-      totals.push_back(out_[node]);
-      depths.push_back(depth_[node]);
-      node = b;
+      while (nodes_[u].depth >= min_depth && (nodes_[u].depth >= max_depth_ || nodes_[u].best == kNone))
+        u = nodes_[u].link;
+      if (nodes_[u].depth < min_depth || u == kRoot) break;
+      const Node& b = nodes_[nodes_[u].best];
+      toks.push_back(b.token);
+      counts.push_back(b.count);
+      totals.push_back(nodes_[u].out);
+      depths.push_back(nodes_[u].depth);
+      u = nodes_[u].best;
     }
     return {toks, counts, totals, depths};
   }
 
-  Ids node_string(int64_t node) const {
+  Ids node_string(int64_t node_id) const {
     Ids out;
-    for (; node != kRoot; node = parent_.at(node)) out.push_back(token_[node]);
+    for (int64_t u = node_id; u != kRoot; u = node(u).parent) out.push_back(nodes_[u].token);
     return Ids(out.rbegin(), out.rend());
   }
 
-  std::map<uint64_t, int64_t> edges() const { return {edges_.begin(), edges_.end()}; }
-  const Ids& count() const { return count_; }
-  const Ids& out() const { return out_; }
-  const Ids& depth() const { return depth_; }
-  const Ids& link() const { return link_; }
-  const Ids& parent() const { return parent_; }
-  const Ids& token() const { return token_; }
-  const Ids& best() const { return best_; }
+  std::map<uint64_t, int64_t> edges() const { return edges_.items(); }
+
+  // one field of every node, as the Python index's arrays (tests and debugging)
+  template <typename F>
+  Ids field(F get) const {
+    Ids out;
+    out.reserve(nodes_.size());
+    for (const Node& n : nodes_) out.push_back(get(n));
+    return out;
+  }
+  Ids count() const { return field([](const Node& n) { return int64_t{n.count}; }); }
+  Ids out() const { return field([](const Node& n) { return int64_t{n.out}; }); }
+  Ids depth() const { return field([](const Node& n) { return int64_t{n.depth}; }); }
+  Ids link() const { return field([](const Node& n) { return int64_t{n.link}; }); }
+  Ids parent() const { return field([](const Node& n) { return int64_t{n.parent}; }); }
+  Ids token() const { return field([](const Node& n) { return n.parent == kNone ? kNone : int64_t{n.token}; }); }
+  Ids best() const { return field([](const Node& n) { return int64_t{n.best}; }); }
 
  private:
+  const Node& node(int64_t u) const {
+    if (u < 0 || u >= static_cast<int64_t>(nodes_.size())) throw std::out_of_range("no node " + std::to_string(u));
+    return nodes_[u];
+  }
+
   const Sequence& seq(int64_t sid) const {
     auto it = seqs_.find(sid);
     if (it == seqs_.end()) throw pybind11::key_error(std::to_string(sid));
@@ -190,18 +296,15 @@ class SuffixTrie {
   Sequence& seq(int64_t sid) { return const_cast<Sequence&>(static_cast<const SuffixTrie*>(this)->seq(sid)); }
 
   int64_t push_node(int64_t parent, int64_t token, int64_t depth) {
-    const int64_t v = static_cast<int64_t>(count_.size());
-    count_.push_back(0);
-    out_.push_back(0);
-    depth_.push_back(depth);
-    link_.push_back(kRoot);
-    parent_.push_back(parent);
-    token_.push_back(token);
-    best_.push_back(kNone);
-    stamp_.push_back(0);
-    first_.push_back(kNone);
-    next_.push_back(kNone);
-    prev_.push_back(kNone);
+    if (nodes_.size() >= static_cast<size_t>(INT32_MAX)) throw std::length_error("suffix trie: 2**31 nodes");
+    const int64_t v = static_cast<int64_t>(nodes_.size());
+    Node n{};
+    n.depth = static_cast<int32_t>(depth);
+    n.link = kRoot;
+    n.parent = static_cast<int32_t>(parent);
+    n.token = static_cast<uint32_t>(token);
+    n.best = n.first = n.next = n.prev = kNone;
+    nodes_.push_back(n);
     return v;
   }
 
@@ -210,49 +313,53 @@ class SuffixTrie {
     if (!free_.empty()) {
       v = free_.back();
       free_.pop_back();
-      count_[v] = out_[v] = stamp_[v] = 0;
-      depth_[v] = depth_[u] + 1;
-      parent_[v] = u;
-      token_[v] = c;
-      link_[v] = kRoot;
-      best_[v] = first_[v] = next_[v] = prev_[v] = kNone;
+      Node& n = nodes_[v];
+      n.count = n.out = 0;
+      n.stamp = 0;
+      n.depth = nodes_[u].depth + 1;
+      n.parent = static_cast<int32_t>(u);
+      n.token = static_cast<uint32_t>(c);
+      n.link = kRoot;
+      n.best = n.first = n.next = n.prev = kNone;
     } else {
-      v = push_node(u, c, depth_[u] + 1);
+      v = push_node(u, c, nodes_[u].depth + 1);
     }
-    edges_[key] = v;
-    const int64_t f = first_[u];
-    next_[v] = f;
-    if (f != kNone) prev_[f] = v;
-    first_[u] = v;
+    edges_.insert(key, static_cast<int32_t>(v));
+    const int32_t f = nodes_[u].first;
+    nodes_[v].next = f;
+    if (f != kNone) nodes_[f].prev = static_cast<int32_t>(v);
+    nodes_[u].first = static_cast<int32_t>(v);
     return v;
   }
 
   void free_node(int64_t v) {
-    const int64_t u = parent_[v];
-    edges_.erase(edge_key(u, token_[v]));
-    const int64_t p = prev_[v], n = next_[v];
-    if (p != kNone) next_[p] = n; else first_[u] = n;
-    if (n != kNone) prev_[n] = p;
-    count_[v] = 0;
-    free_.push_back(v);
+    Node& n = nodes_[v];
+    const int64_t u = n.parent;
+    edges_.erase(edge_key(u, n.token));
+    const int32_t p = n.prev, x = n.next;
+    if (p != kNone) nodes_[p].next = x; else nodes_[u].first = x;
+    if (x != kNone) nodes_[x].prev = p;
+    n.count = 0;
+    free_.push_back(static_cast<int32_t>(v));
   }
 
   void rescan_best(int64_t u) {
     int64_t b = kNone, best_count = 0, best_stamp = -1;
-    for (int64_t v = first_[u]; v != kNone; v = next_[v]) {
-      if (count_[v] > 0 && (count_[v] > best_count || (count_[v] == best_count && stamp_[v] > best_stamp))) {
+    for (int64_t v = nodes_[u].first; v != kNone; v = nodes_[v].next) {
+      const Node& n = nodes_[v];
+      if (n.count > 0 && (n.count > best_count || (n.count == best_count && n.stamp > best_stamp))) {
         b = v;
-        best_count = count_[v];
-        best_stamp = stamp_[v];
+        best_count = n.count;
+        best_stamp = n.stamp;
       }
     }
-    best_[u] = b;
+    nodes_[u].best = static_cast<int32_t>(b);
   }
 
   int64_t max_depth_;
-  Ids count_, out_, depth_, link_, parent_, token_, best_, stamp_, first_, next_, prev_;
-  std::unordered_map<uint64_t, int64_t> edges_;
-  Ids free_;
+  std::vector<Node> nodes_;
+  EdgeTable edges_;
+  std::vector<int32_t> free_;
   std::map<int64_t, Sequence> seqs_;  // by id: oldest first
   int64_t next_seq_ = 0, tick_ = 0, version_ = 0, num_tokens_ = 0;
 };

@@ -249,6 +249,33 @@ def test_running_requests_do_not_see_each_others_text_until_released():
     assert prop.propose([1]).tokens[0].tolist() == [32, 33, 0]
 
 
+@settings(max_examples=40, deadline=None)
+@given(stream=st.lists(st.integers(0, 4), min_size=4, max_size=60), data=st.data())
+def test_lazy_indexing_drafts_what_indexing_every_commit_would(stream, data):
+    """Commits are indexed at the slot's next lookup: whichever steps look a slot up, and whatever
+    entered the shared index in between, a lookup drafts what a proposer that looked the slot up
+    after every commit drafts at that point (confidences included)."""
+    eager, lazy = (SuffixProposer(SuffixConfig(max_drafts=3, max_depth=4, min_match=1)) for _ in range(2))
+    for prop in (eager, lazy):
+        prop.reset(0, stream[:2])
+    pos = 2
+    while pos < len(stream):
+        n = data.draw(st.integers(1, 3))
+        chunk, pos = stream[pos:pos + n], pos + n
+        released = data.draw(st.booleans())
+        for prop in (eager, lazy):
+            prop.commit(0, chunk)
+            if released:  # another request finished: its output enters the shared index
+                prop.reset(1, chunk)
+                prop.commit(1, stream[:pos][-5:])
+                prop.release(1)
+        got = eager.propose([0])
+        if data.draw(st.booleans()):
+            want = lazy.propose([0])
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.lens, want.lens)
+            assert torch.allclose(got.confidence, want.confidence)
+
+
 def test_move_carries_a_slot_and_reset_forgets_it():
     prop = SuffixProposer(SuffixConfig(max_drafts=3, scope="request"))
     _drive(prop, 0, [1, 2, 3, 4], [1, 2])
