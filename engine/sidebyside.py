@@ -92,22 +92,24 @@ class Level:
         return f"b{self.batch}-t{self.temperature:g}"
 
 
-def load_prompts(per_task: int, data_root: str | None = None, from_end: bool = False) -> list[Prompt]:
-    """``per_task`` first turns of math, code and chat, interleaved (math 0, code 0, chat 0, math 1,
-    ...): each eval set's first ones, or with ``from_end`` its last ones (in file order)."""
+def load_prompts(per_task: int, data_root: str | None = None, from_end: bool = False,
+                 tasks: Sequence[str] = TASKS) -> list[Prompt]:
+    """``per_task`` first turns of each of ``tasks`` (math, code and chat), interleaved (math 0,
+    code 0, chat 0, math 1, ...): each eval set's first ones, or with ``from_end`` its last ones
+    (in file order)."""
     from dspark.training.config import load_target_profile
     from dspark.training.data import load_eval_prompts
     from dspark.training.target import load_tokenizer
 
     tok = load_tokenizer(load_target_profile("smollm2-135m").source)
     chosen = {}
-    for task in TASKS:
+    for task in tasks:
         texts = load_eval_prompts(task, None if from_end else per_task, data_root)
         start = max(len(texts) - per_task, 0) if from_end else 0
         chosen[task] = list(enumerate(texts))[start:start + per_task]
     out = []
     for i in range(per_task):
-        for task in TASKS:
+        for task in tasks:
             if i < len(chosen[task]):
                 index, text = chosen[task][i]
                 ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -115,6 +117,15 @@ def load_prompts(per_task: int, data_root: str | None = None, from_end: bool = F
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
                 out.append(Prompt(task, index, tuple(int(t) for t in ids)))
     return out
+
+
+def parse_tasks(text: str) -> list[str]:
+    """``--tasks``: a comma list of distinct eval sets, in ``TASKS`` order."""
+    tasks = [t for t in text.split(",") if t]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks or len(set(tasks)) < len(tasks):
+        raise ValueError(f"--tasks takes distinct names among {', '.join(TASKS)}, got {text!r}")
+    return [t for t in TASKS if t in tasks]
 
 
 def plan_levels(batches: Sequence[int], temperatures: Sequence[float], prompts_1: int, new_tokens_1: int,
@@ -143,12 +154,13 @@ def level_prompts(prompts: Sequence[Prompt], level: Level) -> list[Prompt]:
     return chosen
 
 
-def history_prompts(prompts_per_task: int, n: int, data_root: str | None = None) -> list[Prompt]:
-    """``n`` prompts no level uses, the same whatever the levels need: each eval set's last
-    ``ceil(n / 3)`` prompts, interleaved; refused where they reach into the first
+def history_prompts(prompts_per_task: int, n: int, data_root: str | None = None,
+                    tasks: Sequence[str] = TASKS) -> list[Prompt]:
+    """``n`` prompts no level uses, the same whatever the levels need: the last ``ceil(n / len(tasks))``
+    prompts of each task's eval set, interleaved; refused where they reach into the first
     ``prompts_per_task`` (the levels' prompts)."""
-    per_task = -(-n // len(TASKS))
-    out = load_prompts(per_task, data_root, from_end=True)
+    per_task = -(-n // len(tasks))
+    out = load_prompts(per_task, data_root, from_end=True, tasks=tasks)
     if any(p.index < prompts_per_task for p in out):
         raise ValueError(f"--history {n} takes each eval set's last {per_task} prompts, which overlap the first "
                          f"{prompts_per_task} the levels use: lower --history or --prompts-per-task")
@@ -445,7 +457,8 @@ def worker_history(spec: dict, temperatures: Sequence[float]) -> dict[str, list[
     from .runtime import EngineConfig, SpecEngine
 
     threads.configure(spec["threads"])
-    prompts = history_prompts(spec["prompts_per_task"], spec["history"], spec.get("data_root"))
+    prompts = history_prompts(spec["prompts_per_task"], spec["history"], spec.get("data_root"),
+                              spec.get("tasks", TASKS))
     target = load_target(load_target_profile("smollm2-135m"), device="cpu")
     eng = SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=len(prompts), threads=spec["threads"]))
     out = {}
@@ -539,7 +552,8 @@ def worker_ours(systems: Sequence[str], spec: dict,
         for system, probe, rec, d in runs:
             rids = d.rids
             records = rec.records(list(zip(rids, (p.task for p in prompts))))
-            by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS}
+            by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS
+                       if any(p.task == t for p in prompts)}
             by_task["overall"] = rids
             proposers = ({t: probe.proposers_of(r) for t, r in by_task.items()}
                          if system not in OURS_TARGET_ONLY else None)
@@ -710,7 +724,7 @@ def worker_main(spec_path: str, out_path: str) -> None:
     if systems == ["history"]:
         Path(out_path).write_text(json.dumps(worker_history(spec, spec["temperatures"])))
         return
-    prompts = load_prompts(spec["prompts_per_task"], spec.get("data_root"))
+    prompts = load_prompts(spec["prompts_per_task"], spec.get("data_root"), tasks=spec.get("tasks", TASKS))
     work = [(lv, level_prompts(prompts, lv)) for lv in (Level(**d) for d in spec["levels"])]
     if all(s.startswith("ours") for s in systems):
         results, info = worker_ours(systems, spec, work)
@@ -813,6 +827,9 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-slot", type=float, default=1.0, help="requests at batch B = max(B, this x B)")
     ap.add_argument("--prompts-per-task", type=int, default=22)
     ap.add_argument("--data-root", default=None)
+    ap.add_argument("--tasks", default=",".join(TASKS),
+                    help="comma list of the eval sets the requests (and the --history requests) come from: "
+                         "one task alone is that task's workload, every batch of it that task's requests")
     ap.add_argument("--threads", type=int, default=0, help="our engine's and generate()'s intra-op threads (0: all cores)")
     ap.add_argument("--static-steps", default="auto")
     ap.add_argument("--engine-dir", default=None,
@@ -845,6 +862,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         return None
     try:
         systems = resolve_systems(args.systems)
+        args.tasks = parse_tasks(args.tasks)
         levels = plan_levels([int(b) for b in args.batches.split(",") if b],
                              [float(t) for t in args.temperatures.split(",") if t], args.prompts_1, args.new_tokens_1,
                              args.new_tokens_c, args.requests_per_slot)
@@ -877,7 +895,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         history_path = f"{tmp}.history.json"
         spec = {"systems": ["history"], "history": args.history, "history_tokens": args.history_tokens,
                 "temperatures": sorted({lv.temperature for lv in levels}),
-                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads")}}
+                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "tasks")}}
         Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "dspark.engine.sidebyside", "--worker", f"{tmp}.spec.json",
@@ -893,9 +911,9 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         if not lvs:
             continue
         spec = {"systems": list(group), "levels": [dataclasses.asdict(lv) for lv in lvs],
-                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "static_steps",
-                                                     "engine_dir", "sps", "suffix_max_drafts", "suffix_scope",
-                                                     "vllm_kv_gib", "vllm_memory")},
+                **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "tasks",
+                                                     "static_steps", "engine_dir", "sps", "suffix_max_drafts",
+                                                     "suffix_scope", "vllm_kv_gib", "vllm_memory")},
                 "history_path": history_path}
         Path(f"{tmp}.spec.json").write_text(json.dumps(spec))
         t = time.perf_counter()
@@ -937,7 +955,7 @@ def _report(raw: dict[str, list[dict]], args, systems: list[str], notes: list[st
             "settings": {"order": args.order, "peer_batches": args.peer_batches, "engine_dir": args.engine_dir,
                          "sps": args.sps, "suffix_max_drafts": args.suffix_max_drafts,
                          "suffix_scope": args.suffix_scope, "prompts_per_task": args.prompts_per_task,
-                         "history": args.history, "history_tokens": args.history_tokens,
+                         "history": args.history, "history_tokens": args.history_tokens, "tasks": args.tasks,
                          "hf_prompt_lookup_tokens": HF_LOOKUP_TOKENS, "vllm_ngram": VLLM_NGRAM},
             "results": results, "task_results": task_results}
 

@@ -257,3 +257,19 @@ def test_history_prompts_are_each_eval_sets_last_whatever_the_levels_take():
     assert not firsts & {p.ids for p in a}  # no level's prompt
     with pytest.raises(ValueError, match="overlap"):
         history_prompts(79, 6)  # chat has 80 prompts: its last two are among the first 79
+
+
+def test_tasks_make_a_one_task_workload_and_history():
+    from dspark.engine.sidebyside import history_prompts, load_prompts, parse_tasks
+
+    assert parse_tasks("chat,math") == ["math", "chat"]  # eval-set order, whatever the order given
+    for bad in ("chat,poetry", "chat,chat", ""):
+        with pytest.raises(ValueError, match="--tasks"):
+            parse_tasks(bad)
+    chat = load_prompts(5, tasks=["chat"])
+    assert [p.task for p in chat] == ["chat"] * 5 and [p.index for p in chat] == list(range(5))
+    assert [p.ids for p in chat] == [p.ids for p in load_prompts(5) if p.task == "chat"]
+    hist = history_prompts(32, 24, tasks=["chat"])
+    assert len(hist) == 24 and {p.task for p in hist} == {"chat"} and min(p.index for p in hist) >= 32
+    with pytest.raises(ValueError, match="overlap"):
+        history_prompts(60, 24, tasks=["chat"])  # the last 24 of chat's 80 start at 56
