@@ -75,8 +75,9 @@ class SuffixConfig:
     scope: str = "shared"  # shared | request (module docstring)
     shared_max_outputs: int = 256  # the shared ring keeps at most this many outputs ...
     shared_max_tokens: int = 65536  # ... and at most this many tokens
-    # host seconds of one row's lookup (propose), for the suffix gate: what skipping a row saves (its
-    # commits run anyway); the order of the side-by-side harness's `suffix` ms per decode step per row
+    # host seconds of one row's lookup (propose, with the indexing of its tokens since the last one), for
+    # the suffix gate: what skipping a row saves; the order of the side-by-side harness's `suffix` ms per
+    # decode step per row
     host_seconds_per_row: float = 1.5e-4
     native: bool = True  # the C++ index where it builds (suffix_index.py), else the Python one
 
