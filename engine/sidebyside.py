@@ -552,8 +552,7 @@ def worker_ours(systems: Sequence[str], spec: dict,
         for system, probe, rec, d in runs:
             rids = d.rids
             records = rec.records(list(zip(rids, (p.task for p in prompts))))
-            by_task = {t: [rid for rid, p in zip(rids, prompts) if p.task == t] for t in TASKS
-                       if any(p.task == t for p in prompts)}
+            by_task = {t: ids for t in TASKS if (ids := [rid for rid, p in zip(rids, prompts) if p.task == t])}
             by_task["overall"] = rids
             proposers = ({t: probe.proposers_of(r) for t, r in by_task.items()}
                          if system not in OURS_TARGET_ONLY else None)
