@@ -31,13 +31,12 @@ over a plain step (from the SPS table, in plain steps) divided by the budget, ke
 ``[min_probe, max_probe]``. That extra time includes the probed rows' context catch-up
 (``catchup_time``): a row the gate has skipped rebuilds its drafter cache from a window of
 recent positions before drafting, which at 4 rows can cost as much as the pass itself.
-The budget is 0.5% of the run by the table's prices, which a probe can exceed in practice
-(a sampled draft draws its noise over the whole vocabulary, which the greedy pass the
-table times does not; the drafter runs on caches the target step just evicted): on a
-2-core CPU at batch 64 a 4-row probe measured 12 ms greedy and 20 ms at T=1 against 9.5 ms
-priced, so the spend on a drafter that never pays comes to about 1%. A probe that costs a
-drafter pass plus a 7-token verify at batch 1 on that CPU is worth about 1.4 plain steps
-and comes every 280 steps.
+The budget is 0.5% of the run by the table's prices, which a probe can exceed in practice:
+the drafter runs on caches the target step just evicted, and a draft for a rejection-sampled
+request keeps its distribution over the whole vocabulary, which the greedy pass the table
+times does not (a sampled draft judged by the coupled rule races among its likeliest tokens
+only and costs about a greedy one). A probe that costs a drafter pass plus a 7-token verify
+at batch 1 on a 2-core CPU is worth about 1.4 plain steps and comes every 280 steps.
 
 Lossless: the decision uses only committed history (past accepted counts), never the
 drafts it gates, so skipping is a verify length of 0 chosen before the drafts exist.

@@ -775,10 +775,12 @@ def _next_position(r: _Request) -> int:
 def _draft_noise(reqs: list[_Request]) -> coupled.RaceNoise:
     """The drafter's noise: coupled requests draft with the noise their target choices use
     (seed, position); rejection-sampled ones with fresh noise per round, since that rule needs
-    drafts independent of everything already decided."""
+    drafts independent of everything already decided. Without a rejection-sampled row no draft
+    distribution is read, so the noise is marked ``coupled`` (the drafter then skips them)."""
     keys = [r.seed if r.coupled else coupled.round_key(r.seed, r.steps) for r in reqs]
     return coupled.RaceNoise(torch.tensor(keys, dtype=torch.long),
-                             torch.tensor([_next_position(r) for r in reqs], dtype=torch.long))
+                             torch.tensor([_next_position(r) for r in reqs], dtype=torch.long),
+                             coupled=not any(_by_rejection(r) for r in reqs))
 
 
 def parse_proposers(spec: str) -> list[str]:

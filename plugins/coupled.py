@@ -36,13 +36,15 @@ than a few MiB.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from .reference import VerifyResult, check_verify_shapes, process_logits
 
-__all__ = ["RaceNoise", "race_noise", "race_sample", "round_key", "verify_coupled", "verify_coupled_packed"]
+__all__ = ["RACE_CANDIDATES", "RaceNoise", "race_noise", "race_sample", "race_sample_top", "round_key",
+           "verify_coupled", "verify_coupled_packed"]
 
 _M32 = 0xFFFFFFFF
 # multipliers of a 32-bit xor-shift-multiply mixer (as int32: the second exceeds 2^31)
@@ -52,6 +54,7 @@ _GOLDEN = 0x9E3779B9 - (1 << 32)  # 2^32 / phi: spreads consecutive integers bef
 _SEED_SALT = 0x5BD1E995
 _POS_SALT = 0x27D4EB2F
 CHUNK_ELEMENTS = 1 << 19  # rows * tokens of noise materialised at once (2 MiB of int32)
+RACE_CANDIDATES = 64  # columns a coupled draft races among (``race_sample_top``)
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +96,9 @@ def _id_mix(ids: torch.Tensor | None, vocab: int, device: torch.device) -> torch
 
 
 def _noise_from(keys: torch.Tensor, idm: torch.Tensor) -> torch.Tensor:
-    """keys [n] int32, mixed ids [N] int32 -> E [n, N] float32, Exp(1) by inverse CDF."""
-    h = _mix32_(keys.unsqueeze(-1) ^ idm.unsqueeze(0))
+    """keys [n] int32, mixed ids [N] (shared by the rows) or [n, N] (per row) int32 -> E [n, N]
+    float32, Exp(1) by inverse CDF."""
+    h = _mix32_(keys.unsqueeze(-1) ^ (idm if idm.dim() == 2 else idm.unsqueeze(0)))
     w = (h & 0x7FFFFFFF).float().add_(0.5).mul_(2.0**-31).clamp_(max=1.0 - 2.0**-24)
     return torch.log1p(w.neg_()).neg_()
 
@@ -113,11 +117,15 @@ def race_sample(probs: torch.Tensor, key: torch.Tensor, pos: torch.Tensor,
     probs [n, N] (any non-negative weights; zeros never win while a row has mass); ``ids [N]``
     are the token ids of the columns (default ``0..N-1``). The result is an index into the columns.
     """
+    return _race(probs, _row_keys(key.to(probs.device).long(), pos.to(probs.device).long()), ids)
+
+
+def _race(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """``race_sample`` with the rows' mixed keys [n] int32 (``_row_keys``) already computed."""
     n, N = probs.shape
     out = torch.empty(n, dtype=torch.long, device=probs.device)
     if n == 0:
         return out
-    keys = _row_keys(key.to(probs.device).long(), pos.to(probs.device).long())
     idm = _id_mix(ids, N, probs.device)
     # a few MiB at a time on the CPU (cache-sized); far more per launch on a GPU
     chunk = CHUNK_ELEMENTS if probs.device.type == "cpu" else CHUNK_ELEMENTS * 64
@@ -126,6 +134,33 @@ def race_sample(probs: torch.Tensor, key: torch.Tensor, pos: torch.Tensor,
         e = _noise_from(keys[s:s + step], idm)
         out[s:s + step] = torch.div(probs[s:s + step].float(), e, out=e).argmax(-1)
     return out
+
+
+def race_sample_top(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor, pos: torch.Tensor,
+                    ids: torch.Tensor | None = None, candidates: int = RACE_CANDIDATES) -> torch.Tensor:
+    """The race among each row's ``candidates`` likeliest columns: [n] column indices.
+
+    logits [n, N] and temperature [n] (> 0) define ``q = softmax(logits / T)``; ``ids [N]`` are the
+    columns' token ids (default ``0..N-1``). The winner is an exact sample from ``q`` cut to its
+    ``candidates`` most likely tokens, and it is ``race_sample``'s winner over all of ``q`` whenever
+    that one is among them (a race won outside them has probability at most ``q``'s mass there).
+    It hashes ``candidates`` noise values per row instead of ``N``: for drafts judged by the
+    coupled rule, which reads the draws and never their law, that is all a draw needs."""
+    keys = _row_keys(key.to(logits.device).long(), pos.to(logits.device).long())
+    return _race_top(logits, temperature, keys, ids, candidates)
+
+
+def _race_top(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None,
+              candidates: int) -> torch.Tensor:
+    """``race_sample_top`` with the rows' mixed keys [n] int32 already computed."""
+    n, N = logits.shape
+    if n == 0:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
+    top, col = logits.float().topk(min(candidates, N), dim=-1)  # [n, m], in descending order
+    weights = torch.exp((top - top[:, :1]) / temperature.to(top.device).float().unsqueeze(-1))
+    tid = col if ids is None else ids.to(col.device)[col]
+    e = _noise_from(keys.to(col.device), _id_mix(tid, N, col.device))
+    return col.gather(1, torch.div(weights, e, out=e).argmax(-1, keepdim=True)).squeeze(1)
 
 
 def round_key(seed: int, round_: int) -> int:
@@ -138,17 +173,43 @@ def round_key(seed: int, round_: int) -> int:
 class RaceNoise:
     """Noise for the drafter's samples: row ``i`` draws its k-th draft (0-based) with the
     noise of ``(key[i], pos[i] + k)``, so with ``key`` = the request's seed and ``pos`` = the
-    position of the first draft, a draft uses exactly the noise the coupled rule judges it with."""
+    position of the first draft, a draft uses exactly the noise the coupled rule judges it with.
+
+    The mixed keys of every (row, offset) are computed once, for ``KEY_SPAN`` offsets at a time,
+    and reused by each draft position: per position they cost more than a small race itself."""
 
     key: torch.Tensor  # [R] int64
     pos: torch.Tensor  # [R] int64, sequence position of the first draft token
+    # every row's drafts are judged by the coupled rule with this very noise, which reads the
+    # draws and never the distributions they came from: a drafter may skip the distributions
+    # and race among its likeliest candidates only (``draw_top``)
+    coupled: bool = False
+    _keys: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # [R, span] int32
+
+    KEY_SPAN: ClassVar[int] = 16
+
+    def keys_at(self, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Mixed keys [n] int32 of ``rows`` (indices into R; default all) at draft offset ``k``."""
+        if self._keys is None or k >= self._keys.shape[1]:
+            span = max(self.KEY_SPAN, k + 1)
+            R = self.key.shape[0]
+            offs = torch.arange(span, dtype=torch.long).repeat(R)
+            pos = self.pos.long().repeat_interleave(span) + offs
+            self._keys = _row_keys(self.key.long().repeat_interleave(span), pos).view(R, span)
+        col = self._keys[:, k]
+        return col if rows is None else col[rows.cpu()]
+
+    def draw_top(self, logits: torch.Tensor, temperature: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None, candidates: int = RACE_CANDIDATES) -> torch.Tensor:
+        """``race_sample_top`` of ``logits [n, N]`` at ``temperature [n]`` for ``rows`` (default all)
+        at draft offset ``k``, columns at target ids ``ids`` -> column index per row [n]."""
+        return _race_top(logits, temperature, self.keys_at(k, rows), ids, candidates)
 
     def draw(self, probs: torch.Tensor, k: int, rows: torch.Tensor | None = None,
              ids: torch.Tensor | None = None) -> torch.Tensor:
         """probs [n, N] for ``rows`` (indices into R; default all) at draft offset ``k``, columns
         at target ids ``ids`` (default ``0..N-1``) -> column index per row [n]."""
-        key, pos = (self.key, self.pos) if rows is None else (self.key[rows.cpu()], self.pos[rows.cpu()])
-        return race_sample(probs, key, pos + k, ids)
+        return _race(probs, self.keys_at(k, rows).to(probs.device), ids)
 
 
 def verify_coupled(

@@ -101,6 +101,77 @@ def test_the_choice_at_a_position_depends_on_seed_and_position_only():
     assert len(set(many.tolist())) > 20, "different seeds must give different choices"
 
 
+def test_the_race_among_the_top_candidates_is_the_full_race_whenever_its_winner_is_one_of_them():
+    """``race_sample_top`` over m columns: the full race's winner where that is among the row's m
+    likeliest, always one of them, and with m = N the full race everywhere."""
+    g = torch.Generator().manual_seed(11)
+    n, N, m = 3000, 300, 8
+    logits = torch.randn(n, N, generator=g) * 3.0
+    temps = torch.rand(n, generator=g) * 1.5 + 0.3
+    ids = torch.randperm(49_152, generator=g)[:N]
+    keys, pos = torch.randint(0, 2**40, (n,), generator=g), torch.randint(0, 10_000, (n,), generator=g)
+    full = coupled.race_sample(torch.softmax(logits / temps.unsqueeze(-1), -1), keys, pos, ids)
+    top = coupled.race_sample_top(logits, temps, keys, pos, ids, candidates=m)
+    among = logits.topk(m, -1).indices
+    inside = (among == full.unsqueeze(-1)).any(-1)
+    assert 0.5 < float(inside.float().mean()) < 1.0, "the case must have winners inside and outside the top m"
+    assert torch.equal(top[inside], full[inside])
+    assert bool((among == top.unsqueeze(-1)).any(-1).all()), "the winner is always one of the m candidates"
+    assert torch.equal(coupled.race_sample_top(logits, temps, keys, pos, ids, candidates=N), full)
+
+
+def test_the_race_among_the_top_candidates_samples_the_distribution_cut_to_them():
+    """Chi-square: the winner follows q restricted to its m likeliest tokens, renormalised."""
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(5)) * 1.2
+    m, n, t = 10, 60_000, 0.8
+    q = torch.softmax(logits / t, -1)
+    cut = torch.zeros_like(q)
+    top = logits.topk(m).indices
+    cut[top] = q[top]
+    picks = coupled.race_sample_top(logits.expand(n, -1), torch.full((n,), t), torch.arange(n) // 3,
+                                    100 + torch.arange(n) % 3, candidates=m)
+    assert _chi2(torch.bincount(picks, minlength=40), cut) > 1e-3
+
+
+def test_race_noise_keys_cached_per_offset_give_the_samplers_own_draws():
+    """``RaceNoise`` computes its keys once per span of offsets; a draw at any offset, for any
+    subset of rows, is the sampler's own at (key, pos + offset)."""
+    g = torch.Generator().manual_seed(4)
+    R, N = 6, 50
+    key, pos = torch.randint(0, 2**62, (R,), generator=g), torch.randint(0, 4000, (R,), generator=g)
+    logits = torch.randn(R, N, generator=g)
+    temps = torch.full((R,), 1.3)
+    rows = torch.tensor([4, 1, 2])
+    noise = coupled.RaceNoise(key, pos)
+    for k in (0, 3, coupled.RaceNoise.KEY_SPAN + 5, 1):
+        p = torch.softmax(logits[rows] / 1.3, -1)
+        assert torch.equal(noise.draw(p, k, rows), coupled.race_sample(p, key[rows], pos[rows] + k))
+        assert torch.equal(noise.draw_top(logits[rows], temps[rows], k, rows, candidates=7),
+                           coupled.race_sample_top(logits[rows], temps[rows], key[rows], pos[rows] + k, candidates=7))
+
+
+@pytest.mark.parametrize("algo", ["dspark", "eagle3"])
+def test_drafts_judged_by_the_coupled_rule_skip_their_distributions_and_keep_their_tokens(algo):
+    """With ``RaceNoise.coupled`` a drafter returns no draft distributions; over a vocabulary no
+    wider than ``RACE_CANDIDATES`` its drafts are the exact sampler's, token for token."""
+    from dspark.engine.draft_runner import make_draft_runner
+
+    target = make_tiny_target()
+    assert target.vocab_size <= coupled.RACE_CANDIDATES
+    d = tiny_drafter(target, algo)
+    runner = make_draft_runner(d, 4)
+    g = torch.Generator().manual_seed(9)
+    F = d.cfg.num_aux_layers * d.cfg.hidden_size
+    runner.append([(s, torch.randn(5 + s, F, generator=g), torch.randint(0, 64, (5 + s,), generator=g))
+                   for s in range(4)])
+    anchors, temps = torch.tensor([3, 9, 27, 40]), torch.tensor([1.0, 0.0, 0.7, 1.3])
+    key, pos = torch.tensor([5, 6, 7, 8]), torch.tensor([10, 11, 12, 13])
+    exact = runner.propose([0, 1, 2, 3], anchors, temps, coupled.RaceNoise(key, pos))
+    cheap = runner.propose([0, 1, 2, 3], anchors, temps, coupled.RaceNoise(key, pos, coupled=True))
+    assert exact.probs is not None and cheap.probs is None
+    assert torch.equal(cheap.tokens, exact.tokens)
+
+
 # ---------------------------------------------------------------------------------------
 # The verify rule
 # ---------------------------------------------------------------------------------------

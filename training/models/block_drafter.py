@@ -224,12 +224,32 @@ def draw(probs: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None
     return x
 
 
+def draw_coupled(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise, k: int = 0,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One draft token per row for drafts judged by the coupled rule (``noise.coupled``): the argmax
+    for greedy rows; for sampled rows the race among their likeliest candidates
+    (``RaceNoise.draw_top``), which needs neither a softmax over the vocabulary nor noise for all of it."""
+    sampled = temperature > 0
+    if bool(sampled.all()):
+        return noise.draw_top(logits, temperature, k, None, ids)
+    x = logits.argmax(-1)
+    rows = sampled.nonzero().squeeze(-1)
+    if rows.numel():
+        x[rows] = noise.draw_top(logits[rows], temperature[rows], k, rows, ids)
+    return x
+
+
 def pick(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None,
          all_greedy: bool, k: int = 0, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft per row (``draw`` at offset ``k``) -> (tokens [R], their distributions [R, V] or
-    None for an all-greedy batch, which skips a softmax and a one-hot over the vocabulary per position)."""
+    """One draft per row at offset ``k`` -> (tokens [R], their distributions [R, V] or None).
+
+    None for an all-greedy batch (which skips a softmax and a one-hot over the vocabulary per
+    position) and for drafts judged by the coupled rule (``draw_coupled``), which never reads
+    them; otherwise ``draw`` from ``draft_distribution``, whose law rejection sampling needs."""
     if all_greedy:
         return logits.argmax(-1), None
+    if noise is not None and noise.coupled:
+        return draw_coupled(logits, temperature, noise, k, ids), None
     p = draft_distribution(logits, temperature)
     return draw(p, temperature, noise, k, ids), p
 

@@ -121,14 +121,16 @@ class Eagle3Drafter(TargetTiedDrafter):
         all_greedy = not bool((temperature > 0).any())
         ids = noise_ids(self)
         tokens = torch.empty(R, K, dtype=torch.long, device=last_hidden.device)
-        probs = None if all_greedy else torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
+        probs = None  # [R, K, V] once the first pick keeps its distributions (``pick``)
         h = last_hidden
         keys = [list(kv) for kv in past]
         valid = past_valid
         for k in range(K):
             x, p = pick(self.draft_logits(self.norm(h)).float(), temperature, noise, all_greedy, k, ids)
             tokens[:, k] = x
-            if probs is not None:
+            if p is not None:
+                if probs is None:
+                    probs = torch.empty(R, K, V, dtype=torch.float32, device=last_hidden.device)
                 probs[:, k] = p
             if k == K - 1:
                 break
