@@ -2,7 +2,8 @@
 
 Losslessness cannot catch a drafter that sees the wrong context at serving time (verification
 rejects its drafts, output stays right, only acceptance drops), so this pins it directly: for
-every block the engine proposes (sampled at T=1, so it carries its distributions), the training
+every block the engine proposes (sampled at T=1 and verified by rejection sampling, so it
+carries its distributions; drafts judged by the coupled rule carry none), the training
 forward on the committed sequence, teacher-forced with the engine's own drafts, must give the
 same distributions.
 """
@@ -19,7 +20,8 @@ from ..conftest import make_tiny_target, run_to_completion, tiny_drafter
 
 
 def _jobs() -> list[tuple[str, list[int], SamplingParams]]:
-    """Three requests of different prompt lengths, sampled at T=1 so proposals carry distributions."""
+    """Three requests of different prompt lengths, sampled at T=1 (with rejection sampling, proposals
+    carry distributions)."""
     return [(f"r{i}", list(range(6 + i, 6 + i + n)), SamplingParams(max_tokens=14, temperature=1.0, seed=i))
             for i, n in enumerate((5, 19, 11))]
 
@@ -47,7 +49,8 @@ def _served_proposals(algo: str, draft_vocab: bool):
     target = make_tiny_target()
     ids = torch.arange(0, target.vocab_size, 3) if draft_vocab else None  # includes the prompts' ids
     drafter = tiny_drafter(target, algo, ids)
-    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=8))
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=8,
+                                                      sampling_rule="rejection"))
     seen = _record_proposals(engine)
     run_to_completion(engine, _jobs())
     assert len(seen) > 6
