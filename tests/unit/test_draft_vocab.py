@@ -68,10 +68,14 @@ def test_labels_outside_the_draft_vocabulary_drop_out_of_cross_entropy_only():
     torch.testing.assert_close(mixed.ce, only_first.ce)  # token 8 is not a draft id: no CE term
 
 
+@pytest.mark.parametrize("rule", ["rejection", "coupled"])
 @pytest.mark.parametrize("algo", ["dspark", "dflash", "eagle3"])
-def test_proposals_are_target_ids_with_probabilities_zero_outside_the_draft_vocabulary(algo):
+def test_proposals_are_target_ids_with_probabilities_zero_outside_the_draft_vocabulary(algo, rule):
+    """Drafts are draft-vocabulary tokens as target ids; for rejection sampling their distributions
+    are over the target's vocabulary, zero outside the draft ids (the coupled rule reads none)."""
     target = make_tiny_target()
-    engine = SpecEngine(target, _drafter(target, algo), EngineConfig(mode="spec", adaptive_drafting=False))
+    engine = SpecEngine(target, _drafter(target, algo), EngineConfig(mode="spec", adaptive_drafting=False,
+                                                                     sampling_rule=rule))
     seen = []
     inner = engine.draft_runner.propose
 
@@ -87,6 +91,9 @@ def test_proposals_are_target_ids_with_probabilities_zero_outside_the_draft_voca
     outside[DRAFT_IDS] = False
     for p in seen:
         assert bool(torch.isin(p.tokens, DRAFT_IDS).all())
+        if rule == "coupled":
+            assert p.probs is None
+            continue
         assert p.probs.shape[-1] == 64 and float(p.probs[..., outside].abs().max()) == 0.0
         torch.testing.assert_close(p.probs.sum(-1), torch.ones(p.probs.shape[:-1]))
 
@@ -176,8 +183,11 @@ def test_scatter_puts_each_probability_at_its_target_id():
 
 @pytest.mark.parametrize("algo", ["dspark", "eagle3"])
 def test_an_all_greedy_batch_carries_no_draft_distributions_and_a_mixed_one_does(algo):
+    """Only rejection sampling reads draft distributions: greedy rows need none, and a batch with a
+    rejection-sampled row carries them for every row."""
     target = make_tiny_target()
-    engine = SpecEngine(target, _drafter(target, algo), EngineConfig(mode="spec", adaptive_drafting=False))
+    engine = SpecEngine(target, _drafter(target, algo), EngineConfig(mode="spec", adaptive_drafting=False,
+                                                                     sampling_rule="rejection"))
     seen = []
     inner = engine.draft_runner.propose
     engine.draft_runner.propose = lambda *a, **k: seen.append(inner(*a, **k)) or seen[-1]
