@@ -38,7 +38,7 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -473,11 +473,9 @@ class SpecEngine:
         neural = None
         if rows:
             sub = [reqs[i] for i in rows]
+            # without a rejection-sampled row among them the drafter returns no distributions
+            # (``_draft_noise`` marks the noise coupled): only rejection sampling reads them
             proposal = self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub))
-            if not any(_by_rejection(r) for r in reqs):
-                # only rejection sampling reads draft distributions; [R, K, V] of them, scattered and
-                # combined for 64 rows over a 49k vocabulary, is ~90 MB of memory traffic per step
-                proposal = replace(proposal, probs=None)
             neural = _scatter(proposal, rows, R)
             for r in sub:
                 r.last_drafted = self.stats.decode_steps
