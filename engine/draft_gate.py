@@ -140,6 +140,16 @@ class DraftGate:
         needed = math.ceil(self.probe_cost(requests, rows) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
         return max(self.min_probe, min(needed, self.max_probe))
 
+    def expects_skipping(self, requests: int) -> bool:
+        """Whether the coming step at ``requests`` rows is expected to leave some undrafted, before it
+        is decided: the latest decision's answer, and before the first one, whether the first probe
+        (drafted with no history) is smaller than the batch. The engine keeps a skipped drafter's
+        context to a window from then on (``NeuralProposer.idle``), prompts included."""
+        if self.drafted_steps == 0 and self.skipped_steps == 0:
+            cheap = self.draft_time(requests) < self.free_share * self._step_time(requests)
+            return not cheap and min(self.probe_rows, requests) < requests
+        return self.skipping
+
     def rows_to_draft(self, requests: int) -> int:
         """How many of ``requests`` rows draft this step: all when drafting is predicted to pay,
         none when it is not, ``min(probe_rows, requests)`` on a probe step."""

@@ -337,6 +337,14 @@ class SpecEngine:
                 for p in self.proposers:
                     p.reset(r.slot, r.prompt)
                 self._active.append(r)
+        self._mark_idle()
+
+    def _mark_idle(self) -> None:
+        """Tell the neural proposer whether the gate is skipping it (it then keeps only a window of
+        recent context); before the gate's first decision, whether that decision will be a probe of
+        part of the batch, so that the first prompts of a large batch are windowed too."""
+        if self.neural is not None:
+            self.neural.idle = self.gate is not None and self.gate.expects_skipping(len(self._active))
 
     def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
         """(request, prompt tokens this step) in admission order, within ``prefill_tokens``;
@@ -407,8 +415,7 @@ class SpecEngine:
     def _settle(self, reqs: list[_Request]) -> None:
         """End of a phase (its tokens were sent): the proposers' deferred work."""
         slots = [r.slot for r in reqs if not r.finished]
-        if self.neural is not None:  # a skipped drafter keeps only a window of recent context
-            self.neural.idle = self.gate is not None and self.gate.skipping
+        self._mark_idle()
         for p in self.proposers:
             p.settle(slots)
 

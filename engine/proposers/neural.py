@@ -10,8 +10,9 @@ end-of-phase flush runs in ``settle``, after the phase's tokens were sent, so no
 waits for the drafter's context pass.
 
 While the engine's drafting gate skips the drafter (``idle``, set by the engine from the
-gate's latest decision), a backlog is not flushed but cut: once it reaches twice
-``IDLE_CONTEXT_TOKENS`` only its most recent ``IDLE_CONTEXT_TOKENS`` positions are kept,
+gate's latest decision, or before the first from whether it will probe part of the batch), a
+backlog is not flushed but cut: once it reaches twice ``IDLE_CONTEXT_TOKENS`` only its most
+recent ``IDLE_CONTEXT_TOKENS`` positions are kept,
 and the slot's drafter cache is dropped; its next draft rebuilds the cache from the kept
 positions alone (a window of the recent text, positions renumbered from 0: the drafter's
 rotary attention sees the same relative distances). A skipping drafter then runs no
@@ -40,7 +41,10 @@ from .base import DraftBatch, Proposer, ProposerCost
 
 __all__ = ["NeuralProposer", "MAX_BACKLOG_TOKENS", "IDLE_CONTEXT_TOKENS"]
 
-MAX_BACKLOG_TOKENS = 256  # bounds the features held for a slot whose drafter is not drafting
+# bounds the features held for a slot whose drafter is not drafting; it sets the ring's width, hence the memory
+# each slot's features touch (80 positions of 5 x 576 float32 features: 0.9 MiB a slot, against 3.1 MiB at 256;
+# whose first writes are page faults a large batch pays within its first few hundred steps)
+MAX_BACKLOG_TOKENS = 64
 IDLE_CONTEXT_TOKENS = 32  # positions a skipped slot keeps for its next draft (module docstring)
 
 
@@ -73,7 +77,8 @@ class NeuralProposer(Proposer):
     p of a slot at ``p % capacity`` of its row), written for all rows of an engine phase at once
     (``commit_many``): a step's bookkeeping is a few tensor operations, not a few per row. The
     capacity is ``max_backlog_tokens`` plus two rounds of positions, grown (never flushed early)
-    when a prompt chunk brings more.
+    when a prompt chunk brings more, and narrowed back when a new request arrives and every slot
+    fits again.
     """
 
     needs_features = True
@@ -104,6 +109,7 @@ class NeuralProposer(Proposer):
         old = self._slots.pop(slot, None)
         row = old.row if old is not None else self._free_rows.pop()
         self._slots[slot] = _SlotContext(row=row, tokens=[int(t) for t in prompt])
+        self._narrow()
 
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
         feats = None if features is None else features.unsqueeze(0)
@@ -140,11 +146,14 @@ class NeuralProposer(Proposer):
             st.cached = max(st.cached, paired - keep)
             st.stale = True
 
+    @property
+    def _base_capacity(self) -> int:
+        return self.max_backlog_tokens + 2 * (self.max_drafts + 1)
+
     def _ring_for(self, features: torch.Tensor) -> torch.Tensor:
         F = features.shape[-1]
         if self._ring is None or self._ring.shape[2] != F or self._ring.dtype != features.dtype:
-            capacity = self.max_backlog_tokens + 2 * (self.max_drafts + 1)
-            self._ring = torch.empty(self._max_slots, capacity, F, dtype=features.dtype)
+            self._ring = torch.empty(self._max_slots, self._base_capacity, F, dtype=features.dtype)
             self._touched = set()
         return self._ring
 
@@ -178,14 +187,25 @@ class NeuralProposer(Proposer):
 
     def _grow(self, need: int) -> torch.Tensor:
         """A ring of at least ``need`` positions per row, holding every slot's unflushed positions."""
+        C = self._ring.shape[1]
+        return self._resize(max(2 * C, -(-need // 64) * 64))  # doubling: a long prompt grows it once, not per chunk
+
+    def _narrow(self) -> None:
+        """Back to the base width once no slot holds more: the rows a batch takes later each touch
+        (and fault in) their whole width, so a long prompt's growth is not kept for them."""
+        if self._ring is not None and self._ring.shape[1] > self._base_capacity and \
+                all(st.fed - st.cached <= self._base_capacity for st in self._slots.values()):
+            self._resize(self._base_capacity)
+
+    def _resize(self, capacity: int) -> torch.Tensor:
+        """A ring ``capacity`` positions wide, holding every slot's unflushed positions."""
         old, C = self._ring, self._ring.shape[1]
-        new_c = max(2 * C, -(-need // 64) * 64)  # doubling: a long prompt grows it once, not per chunk
-        self._ring = torch.empty(old.shape[0], new_c, old.shape[2], dtype=old.dtype)
+        self._ring = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype)
         self._touched = set()
         self._touch(st.row for st in self._slots.values())
         for st in self._slots.values():
-            pos = torch.arange(st.cached, st.fed)
-            self._ring[st.row, pos % new_c] = old[st.row, pos % C]
+            pos = torch.arange(st.cached, max(st.cached, st.fed))  # a cut ahead may leave none
+            self._ring[st.row, pos % capacity] = old[st.row, pos % C]
         return self._ring
 
     def settle(self, slots: Sequence[int]) -> None:

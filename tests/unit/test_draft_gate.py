@@ -124,6 +124,17 @@ def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
     assert gate.rows_to_draft(2) == 0 and gate.probe_rows == 3
 
 
+def test_skipping_is_expected_before_the_first_decision_only_where_a_probe_is_part_of_the_batch():
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, probe_rows=3)
+    assert not gate.expects_skipping(1) and not gate.expects_skipping(3)  # the first probe drafts them all
+    assert gate.expects_skipping(4)
+    assert gate.rows_to_draft(2) == 2 and not gate.expects_skipping(16)  # then: the latest decision's answer
+    gate.observe(2, verified=2, accepted=0)
+    assert gate.rows_to_draft(2) == 0 and gate.expects_skipping(1)
+    free = DraftGate(_table(draft_seconds=0.01), max_tokens=64, probe_rows=3, free_share=0.5)
+    assert not free.expects_skipping(16)  # a pass too cheap to gate always runs
+
+
 def test_a_drafter_that_pays_is_always_run_and_one_good_probe_resets_the_interval():
     gate = DraftGate(_table(draft_seconds=0.1), max_tokens=64, min_probe=2, max_probe=8)
     gate.observe(1, verified=4, accepted=3)
@@ -205,6 +216,23 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
     assert probes and all(len(s) == 2 for s in probes)
     assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
     assert idle_backlogs and max(idle_backlogs) < 2 * 3  # a skipped drafter holds a window, not the history
+
+
+def test_a_batch_larger_than_a_probe_keeps_only_a_window_of_its_first_prompts():
+    """Before the gate's first decision, which at a batch larger than a probe leaves rows undrafted,
+    the prompts' features are already cut to the idle window: the ring keeps its width (no growth
+    for prompts longer than the backlog bound) and the output stays target-only's."""
+    target = make_tiny_target()
+    torch.manual_seed(5)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    jobs = [(f"r{i}", [(7 * j + i) % 50 + 3 for j in range(40)], SamplingParams(max_tokens=6)) for i in range(6)]
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=6)), jobs)
+    engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=6),
+                        sps=_table(draft_seconds=10.0, verify_slope=0.01))
+    engine.gate.probe_rows = 2
+    engine.neural.max_backlog_tokens, engine.neural.idle_context_tokens = 16, 4
+    assert run_to_completion(engine, jobs) == base
+    assert engine.neural._ring.shape[1] == 16 + 2 * (engine.neural.max_drafts + 1)
 
 
 def test_gated_rows_takes_the_least_recently_drafted_rows_in_row_order():
