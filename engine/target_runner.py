@@ -42,24 +42,42 @@ class RaggedOutput:
     held as the step computed them: packed ``[N, V]`` (the real tokens, row after row) or as
     a grid ``[R, Q, V]``; ``token_logits`` and ``logits`` give either view, converting on
     first use. Verification reads the packed view: a padded logits grid of 64 rows over a
-    49k vocabulary is some 50 MB to zero and fill that no rule reads."""
+    49k vocabulary is some 50 MB to zero and fill that no rule reads. Given packed (with
+    ``grid``, the rows' layout), ``aux`` and ``last`` are laid out on first use too: a step
+    whose rows verify different numbers of drafts would otherwise pad both for every row,
+    though the engine reads only the features, and only where a drafter needs them."""
 
     def __init__(self, aux: torch.Tensor, last: torch.Tensor, *, logits: torch.Tensor | None = None,
-                 token_logits: torch.Tensor | None = None, q_lens: torch.Tensor | None = None):
+                 token_logits: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
+                 grid: "_Grid | None" = None):
         if (logits is None) == (token_logits is None):
             raise ValueError("give the logits either as a grid or packed")
         if token_logits is not None and q_lens is None:
             raise ValueError("packed logits need the rows' lengths (q_lens)")
-        self.aux, self.last = aux, last
+        self._aux, self._last, self._grid = aux, last, grid
         self._grid_logits, self._token_logits = logits, token_logits
         self.q_lens = q_lens
+
+    @property
+    def aux(self) -> torch.Tensor:
+        """[R, Q, m*d] drafter features."""
+        if self._grid is not None and self._aux.dim() == 2:
+            self._aux = self._grid.unpack(self._aux)
+        return self._aux
+
+    @property
+    def last(self) -> torch.Tensor:
+        """[R, Q, d] final hidden states."""
+        if self._grid is not None and self._last.dim() == 2:
+            self._last = self._grid.unpack(self._last)
+        return self._last
 
     @property
     def logits(self) -> torch.Tensor:
         """[R, Q, V]; cells past a row's length are zeros (or, from a fixed-shape step, padding)."""
         if self._grid_logits is None:
-            self._grid_logits = _Grid.of(self.q_lens, self.aux.shape[1], self._token_logits.device) \
-                .unpack(self._token_logits)
+            width = self._grid.width if self._grid is not None else self.aux.shape[1]
+            self._grid_logits = _Grid.of(self.q_lens, width, self._token_logits.device).unpack(self._token_logits)
         return self._grid_logits
 
     @property
@@ -198,21 +216,20 @@ class TargetRunner:
         grid = _Grid(R, Q, None if bool(q_valid.all()) else q_valid.to(self.device))
         last, aux = self._stack(ids, wpos.to(self.device), mask, rows, wpos, grid, total, need_features, gather)
         if full_rows == R:
-            return RaggedOutput(token_logits=self.target.logits_from_last(last), q_lens=q_lens, aux=grid.unpack(aux),
-                                last=grid.unpack(last)), None
+            return RaggedOutput(token_logits=self.target.logits_from_last(last), q_lens=q_lens, aux=aux, last=last,
+                                grid=grid), None
         # packed order is row-major: the full rows' tokens come first
         n_full = int(q_lens[:full_rows].sum())
         ends = (torch.cumsum(q_lens[full_rows:], 0) - 1 + n_full).to(self.device)  # the other rows' last tokens
         heads = torch.cat([torch.arange(n_full, device=self.device), ends])
         logits = self.target.logits_from_last(last[heads])
         rest = _Grid(R - full_rows, int(q_lens[full_rows:].max()), None).sub(q_lens[full_rows:], self.device)
-        tail = RaggedOutput(logits=logits[n_full:].unsqueeze(1), aux=rest.unpack(aux[n_full:]),
-                            last=rest.unpack(last[n_full:]))
+        tail = RaggedOutput(logits=logits[n_full:].unsqueeze(1), aux=aux[n_full:], last=last[n_full:], grid=rest)
         if full_rows == 0:
             return None, tail
         head = _Grid(full_rows, int(q_lens[:full_rows].max()), None).sub(q_lens[:full_rows], self.device)
-        return RaggedOutput(token_logits=logits[:n_full], q_lens=q_lens[:full_rows], aux=head.unpack(aux[:n_full]),
-                            last=head.unpack(last[:n_full])), tail
+        return RaggedOutput(token_logits=logits[:n_full], q_lens=q_lens[:full_rows], aux=aux[:n_full],
+                            last=last[:n_full], grid=head), tail
 
     def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None, apos=None):
         """Embedding -> decoder layers (writing the cache) -> final norm, on packed tokens
