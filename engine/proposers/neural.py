@@ -77,8 +77,7 @@ class NeuralProposer(Proposer):
     p of a slot at ``p % capacity`` of its row), written for all rows of an engine phase at once
     (``commit_many``): a step's bookkeeping is a few tensor operations, not a few per row. The
     capacity is ``max_backlog_tokens`` plus two rounds of positions, grown (never flushed early)
-    when a prompt chunk brings more, and narrowed back when a new request arrives and every slot
-    fits again.
+    when a prompt chunk brings more, and dropped when the last slot is released.
     """
 
     needs_features = True
@@ -109,7 +108,6 @@ class NeuralProposer(Proposer):
         old = self._slots.pop(slot, None)
         row = old.row if old is not None else self._free_rows.pop()
         self._slots[slot] = _SlotContext(row=row, tokens=[int(t) for t in prompt])
-        self._narrow()
 
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
         feats = None if features is None else features.unsqueeze(0)
@@ -190,13 +188,6 @@ class NeuralProposer(Proposer):
         C = self._ring.shape[1]
         return self._resize(max(2 * C, -(-need // 64) * 64))  # doubling: a long prompt grows it once, not per chunk
 
-    def _narrow(self) -> None:
-        """Back to the base width once no slot holds more: the rows a batch takes later each touch
-        (and fault in) their whole width, so a long prompt's growth is not kept for them."""
-        if self._ring is not None and self._ring.shape[1] > self._base_capacity and \
-                all(st.fed - st.cached <= self._base_capacity for st in self._slots.values()):
-            self._resize(self._base_capacity)
-
     def _resize(self, capacity: int) -> torch.Tensor:
         """A ring ``capacity`` positions wide, holding every slot's unflushed positions."""
         old, C = self._ring, self._ring.shape[1]
@@ -220,9 +211,14 @@ class NeuralProposer(Proposer):
         self._flush([s for s in live if self._slots[s].backlog >= self.max_backlog_tokens])
 
     def release(self, slot: int) -> None:
+        """Free the slot's ring row; the last slot out drops the ring, whose rows each touch (and
+        fault in) their whole width as positions wrap: a long prompt that grew it for one request
+        does not widen the next batch's rows."""
         st = self._slots.pop(slot, None)
         if st is not None:
             self._free_rows.append(st.row)
+        if not self._slots:
+            self._ring = None
 
     def move(self, src: int, dst: int) -> None:
         self.runner.move(src, dst)

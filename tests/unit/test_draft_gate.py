@@ -230,9 +230,13 @@ def test_a_batch_larger_than_a_probe_keeps_only_a_window_of_its_first_prompts():
     engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=6),
                         sps=_table(draft_seconds=10.0, verify_slope=0.01))
     engine.gate.probe_rows = 2
-    engine.neural.max_backlog_tokens, engine.neural.idle_context_tokens = 16, 4
+    neural = engine.neural
+    neural.max_backlog_tokens, neural.idle_context_tokens = 16, 4
+    widths = []
+    settle = neural.settle
+    neural.settle = lambda slots: (settle(slots), widths.append(neural._ring.shape[1]))
     assert run_to_completion(engine, jobs) == base
-    assert engine.neural._ring.shape[1] == 16 + 2 * (engine.neural.max_drafts + 1)
+    assert widths and set(widths) == {16 + 2 * (neural.max_drafts + 1)}
 
 
 def test_gated_rows_takes_the_least_recently_drafted_rows_in_row_order():

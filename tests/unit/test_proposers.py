@@ -246,10 +246,10 @@ def test_an_idle_proposer_writes_only_the_window_of_a_long_prompt():
     assert seen == [list(range(399 - prop.idle_context_tokens, 399))]  # position 399 awaits its next token
 
 
-def test_a_ring_grown_for_a_long_prompt_narrows_back_when_a_new_request_fits():
-    """A prompt longer than the ring grows it (its positions wait unflushed, each row's context
-    exact); the next request, once every slot fits the base width again, finds the ring narrowed
-    and the other slot's unflushed positions where they were."""
+def test_a_ring_grown_for_a_long_prompt_is_dropped_with_the_last_slot():
+    """A prompt longer than the ring grows it (its positions wait unflushed, every slot's context
+    kept); once every slot is released the ring goes, and the next request's features find one of
+    the base width."""
     target = make_tiny_target()
     drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
     F = drafter.fc.in_features
@@ -260,13 +260,16 @@ def test_a_ring_grown_for_a_long_prompt_narrows_back_when_a_new_request_fits():
     prop.reset(0, [3] * (base + 40))
     prop.commit(0, [], torch.arange(base + 40).float().unsqueeze(1).expand(base + 40, F))
     assert prop._ring.shape[1] > base and prop.backlog_tokens(0) == base + 39
-    prop.release(0)
-    prop.reset(0, [3, 4])
-    assert prop._ring.shape[1] == base
     seen = []
     prop.runner.append = lambda rows: seen.extend(r[1][:, 0].long().tolist() for r in rows)
     prop._flush([1])
-    assert seen == [[1000, 1001, 1002]]  # position 3 awaits its next token
+    assert seen == [[1000, 1001, 1002]]  # moved with the growth; position 3 awaits its next token
+    prop.release(0)
+    assert prop._ring is not None  # slot 1 still holds its positions
+    prop.release(1)
+    prop.reset(0, [3, 4])
+    prop.commit(0, [], torch.zeros(2, F))
+    assert prop._ring.shape[1] == base
 
 
 @pytest.mark.parametrize("algo", ["dspark", "eagle3"])
