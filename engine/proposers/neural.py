@@ -41,9 +41,9 @@ from .base import DraftBatch, Proposer, ProposerCost
 
 __all__ = ["NeuralProposer", "MAX_BACKLOG_TOKENS", "IDLE_CONTEXT_TOKENS"]
 
-# bounds the features held for a slot whose drafter is not drafting; it sets the ring's width, hence the memory
-# each slot's features touch (80 positions of 5 x 576 float32 features: 0.9 MiB a slot, against 3.1 MiB at 256;
-# whose first writes are page faults a large batch pays within its first few hundred steps)
+# bounds the features held for a slot whose drafter is not drafting, and so sets the ring's width: the memory every
+# slot's features touch, all of it page faults within a batch's first few hundred steps (80 positions of
+# 5 x 576 float32 features: 0.9 MiB a slot; 3.1 MiB at 256)
 MAX_BACKLOG_TOKENS = 64
 IDLE_CONTEXT_TOKENS = 32  # positions a skipped slot keeps for its next draft (module docstring)
 
@@ -185,12 +185,8 @@ class NeuralProposer(Proposer):
 
     def _grow(self, need: int) -> torch.Tensor:
         """A ring of at least ``need`` positions per row, holding every slot's unflushed positions."""
-        C = self._ring.shape[1]
-        return self._resize(max(2 * C, -(-need // 64) * 64))  # doubling: a long prompt grows it once, not per chunk
-
-    def _resize(self, capacity: int) -> torch.Tensor:
-        """A ring ``capacity`` positions wide, holding every slot's unflushed positions."""
         old, C = self._ring, self._ring.shape[1]
+        capacity = max(2 * C, -(-need // 64) * 64)  # doubling: a long prompt grows it once, not per chunk
         self._ring = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype)
         self._touched = set()
         self._touch(st.row for st in self._slots.values())
