@@ -326,6 +326,7 @@ class SpecEngine:
 
     # -- phases ---------------------------------------------------------------------------------------
     def _admit(self) -> None:
+        admitted = False
         with self._lock:
             while self._queue and len(self._active) < self.cfg.max_batch:
                 r = self._queue.popleft()
@@ -337,7 +338,9 @@ class SpecEngine:
                 for p in self.proposers:
                     p.reset(r.slot, r.prompt)
                 self._active.append(r)
-        self._mark_idle()
+                admitted = True
+        if admitted:  # their prompts' features are kept whole or windowed from the first chunk
+            self._mark_idle()
 
     def _mark_idle(self) -> None:
         """Tell the neural proposer whether the gate is skipping it (it then keeps only a window of

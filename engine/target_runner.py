@@ -58,18 +58,19 @@ class RaggedOutput:
         self._grid_logits, self._token_logits = logits, token_logits
         self.q_lens = q_lens
 
+    def _laid_out(self, x: torch.Tensor) -> torch.Tensor:
+        return self._grid.unpack(x) if self._grid is not None and x.dim() == 2 else x
+
     @property
     def aux(self) -> torch.Tensor:
         """[R, Q, m*d] drafter features."""
-        if self._grid is not None and self._aux.dim() == 2:
-            self._aux = self._grid.unpack(self._aux)
+        self._aux = self._laid_out(self._aux)
         return self._aux
 
     @property
     def last(self) -> torch.Tensor:
         """[R, Q, d] final hidden states."""
-        if self._grid is not None and self._last.dim() == 2:
-            self._last = self._grid.unpack(self._last)
+        self._last = self._laid_out(self._last)
         return self._last
 
     @property

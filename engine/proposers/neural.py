@@ -144,14 +144,11 @@ class NeuralProposer(Proposer):
             st.cached = max(st.cached, paired - keep)
             st.stale = True
 
-    @property
-    def _base_capacity(self) -> int:
-        return self.max_backlog_tokens + 2 * (self.max_drafts + 1)
-
     def _ring_for(self, features: torch.Tensor) -> torch.Tensor:
         F = features.shape[-1]
         if self._ring is None or self._ring.shape[2] != F or self._ring.dtype != features.dtype:
-            self._ring = torch.empty(self._max_slots, self._base_capacity, F, dtype=features.dtype)
+            capacity = self.max_backlog_tokens + 2 * (self.max_drafts + 1)
+            self._ring = torch.empty(self._max_slots, capacity, F, dtype=features.dtype)
             self._touched = set()
         return self._ring
 
