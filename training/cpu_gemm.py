@@ -11,7 +11,7 @@ every weight once, contiguously, whatever the row count; a 6-row x 64-column reg
 accumulators) takes each input element as a broadcast and each packed row as four vector
 loads, which keeps the FMA units busy once there are enough rows to be compute bound; every
 cache line of a packed row is prefetched 16 rows ahead, which keeps a 2-6 row tile streaming
-at nearly the 1-row rate (half the lines prefetched: a 4-row call cost 1.2x a 1-row one). On a
+at the 1-row rate (``docs/benchmarks/cpu_linear.md``). On a
 CPU with AVX2 + FMA and no AVX-512 the panels are 32 columns wide and the tile 3 rows x 32
 columns (12 ymm accumulators + 4 panel vectors): every packed row is read in one pass, so a
 verify of 2-3 tokens streams the weights at the rate of a 1-token step (with 64-column
@@ -73,8 +73,8 @@ static inline void tile(const float* a, int64_t lda, const float* p, int64_t kc,
     const float* pk = p + k * NR;
     const __m512 b0 = _mm512_loadu_ps(pk), b1 = _mm512_loadu_ps(pk + 16);
     const __m512 b2 = _mm512_loadu_ps(pk + 32), b3 = _mm512_loadu_ps(pk + 48);
-    // all four cache lines of the packed row PF rows ahead: the hardware does not pair lines reliably, and
-    // once a tile has 2-6 rows of FMAs per packed row the core no longer runs far enough ahead by itself
+    // all four cache lines of the packed row, PF rows ahead: with 2-6 rows of FMAs per packed row the core
+    // does not run far enough ahead to have the lines in flight by itself
     const char* ahead = reinterpret_cast<const char*>(pk + PF * NR);
     for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
     for (int m = 0; m < MB; ++m) {
