@@ -55,6 +55,10 @@ def run_comparison(cfg, out_dir: Path, command: str, algos: tuple[str, ...] | No
         ckpt = train(c, target)
         # a drafter finished by an earlier call is only evaluated: its training time is not ours to report
         timings[algo] = None if done_before else time.perf_counter() - t0
+        if algo in plans and timings[algo] is not None:
+            planned = plans[algo]["steps"] * plans[algo]["seconds_per_step"]
+            print(f"bench-train: {algo} trained {timings[algo]:.1f} s for a plan of {planned:.1f} s "
+                  f"({plans[algo]['steps']} steps)", flush=True)
         drafter = load_checkpoint(ckpt, target)[0].to(device)
         e = cfg.eval
         results += [r for r in evaluate(target, drafter, e.tasks, e.temperatures, e.samples_per_task,

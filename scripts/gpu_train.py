@@ -27,6 +27,7 @@ comparison under ``docs/benchmarks``. The same ``run`` step runs on the CPU with
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -103,7 +104,13 @@ def prepare(records: Path | None, gguf: Path | None, gguf_wheel: Path | None, ou
     margin = 2 * MIB
     first = CARRY_LIMIT - tree - margin
     rest = size - first
-    extra = gguf_wheel.stat().st_size + (records.stat().st_size if records else 0)
+    out.mkdir(parents=True, exist_ok=True)
+    packed_records = out / "records.jsonl.gz"  # JSON of token ids: gzip takes it to about a third
+    packed_records.unlink(missing_ok=True)
+    if records:
+        with open(records, "rb") as src, gzip.open(packed_records, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    extra = gguf_wheel.stat().st_size + (packed_records.stat().st_size if records else 0)
     if first <= 0 or tree + rest + extra + margin > CARRY_LIMIT:
         raise SystemExit(f"prepare: the target ({size / MIB:.1f} MiB) does not fit two calls beside a "
                          f"{tree / MIB:.1f} MiB working tree and {extra / MIB:.1f} MiB of records and wheel")
@@ -112,7 +119,7 @@ def prepare(records: Path | None, gguf: Path | None, gguf_wheel: Path | None, ou
         (out / "b" / "target.gguf.part_b").write_bytes(src.read())
     shutil.copy(gguf_wheel, out / "b" / gguf_wheel.name)
     if records:
-        shutil.copy(records, out / "b" / "records.jsonl")
+        packed_records.replace(out / "b" / packed_records.name)
     manifest = {"target_gguf": gguf.name, "target_sha256": sha256(gguf), "target_bytes": size,
                 "part_a_bytes": first, "gguf_wheel": gguf_wheel.name,
                 "records": None if records is None else {"source": str(records),
@@ -127,8 +134,9 @@ def prepare(records: Path | None, gguf: Path | None, gguf_wheel: Path | None, ou
 def bench_train_argv(args, name: str, runs: Path, work: Path, max_prompts: int | None) -> list[str]:
     """The ``dspark bench-train`` call of this run: quickstart recipe at GPU-scale batch sizes,
     online features, equal time per drafter; ``args.override`` last, so any of it can be changed."""
+    budget = f"train.steps={args.steps}" if args.steps else f"train.budget_seconds={args.budget}"
     o = [f"name={name}", f"output_root={runs}", "data.features=online", f"train.device={args.device}",
-         f"train.dtype={args.dtype}", f"train.budget_seconds={args.budget}", f"train.batch_size={args.batch_size}",
+         f"train.dtype={args.dtype}", budget, f"train.batch_size={args.batch_size}",
          f"train.blocks_per_seq={args.blocks_per_seq}", "train.eval_every=0",
          f"eval.samples_per_task={args.eval_samples}", f"eval.max_new_tokens={args.eval_tokens}",
          f"eval.temperatures=[{args.eval_temperatures}]"]
@@ -137,7 +145,7 @@ def bench_train_argv(args, name: str, runs: Path, work: Path, max_prompts: int |
     if max_prompts is not None:
         o.append(f"data.max_prompts={max_prompts}")
     return ["bench-train", "-c", "quickstart", *o, *args.override, "--output-dir", str(work),
-            "--algos", ",".join(ALGOS)]
+            "--algos", args.algos]
 
 
 def run(args) -> int:
@@ -150,8 +158,10 @@ def run(args) -> int:
     if args.records:
         data = runs / args.name / "data"
         data.mkdir(parents=True, exist_ok=True)
-        shutil.copy(args.records, data / "records.jsonl")
-        max_prompts = sum(1 for line in open(args.records) if line.strip())  # all of them, no generation
+        with (gzip.open if args.records.endswith(".gz") else open)(args.records, "rb") as src, \
+                open(data / "records.jsonl", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        max_prompts = sum(1 for line in open(data / "records.jsonl") if line.strip())  # all of them, no generation
     argv = bench_train_argv(args, args.name, runs, work, max_prompts)
     info = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "bench_train": "dspark " + " ".join(argv),
             "name": args.name, "overrides": [a for a in argv if "=" in a and not a.startswith("-")],
@@ -186,8 +196,8 @@ def run(args) -> int:
     md = out / f"{RESULT_STEM}.md"
     if md.is_file():  # where it ran and what came back, beside the table
         rounded = info["pack"].get("rounded_to_bf16")
-        md.write_text(md.read_text() + f"\nDevice: {info['device']}. Training time per drafter, planned: "
-                      f"{args.budget:g} s. The rows above were measured there with the fp32 weights; the "
+        plan = f"{args.steps} steps each" if args.steps else f"{args.budget:g} s each, planned"
+        md.write_text(md.read_text() + f"\nDevice: {info['device']}. Training: {plan}. The rows above were measured there with the fp32 weights; the "
                       f"checkpoints came back {'rounded to bf16' if rounded else 'in fp32'} "
                       f"(gpu_train.json, scripts/gpu_train.py unpack).\n")
     print(json.dumps(info["pack"], indent=2), flush=True)
@@ -368,11 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", help="training autocast dtype (train.dtype)")
     p.add_argument("--budget", type=float, default=80.0, help="training seconds per drafter (train.budget_seconds)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train every drafter for this many steps instead of --budget seconds (0: use --budget)")
+    p.add_argument("--algos", default=",".join(ALGOS), help="the drafters to train, comma-separated")
     p.add_argument("--name", default="h200")
     p.add_argument("--runs", default=str(ROOT / "runs"), help="output_root of the three runs")
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_train_out"),
                    help="folder that comes back (default $OUT)")
-    p.add_argument("--records", help="records.jsonl to train on (all of its lines); default: generated")
+    p.add_argument("--records", help="records.jsonl(.gz) to train on (all of its lines); default: generated")
     p.add_argument("--target-source", help="target.source (the GGUF assembled on the device)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--blocks-per-seq", type=int, default=16)

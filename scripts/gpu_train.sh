@@ -43,7 +43,7 @@ if [ "${1:-}" = "carried" ]; then
     || { log "gguf wheel install FAILED"; exit 2; }
   export PYTHONPATH="$STAGE/site${PYTHONPATH:+:$PYTHONPATH}"
   extra+=(--target-source "$STAGE/target/$name" --runs "$STAGE/runs")
-  [ -f "$CARRY/b/records.jsonl" ] && extra+=(--records "$CARRY/b/records.jsonl")
+  [ -f "$CARRY/b/records.jsonl.gz" ] && extra+=(--records "$CARRY/b/records.jsonl.gz")
 fi
 . scripts/source_tree_path.sh
 dspark_source_tree_path "$ROOT" "$PY"

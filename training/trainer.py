@@ -214,9 +214,12 @@ def heldout_estimates(run: _Session, records: list[Record], holdout: range, targ
 
 
 def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 20) -> float:
-    """Time this run's optimizer step on this machine: a throwaway drafter, one warm-up step,
-    then the mean of ``probe_steps`` timed steps. Used to give drafters equal training time;
-    other work on the machine during the probe skews the plan (the report keeps real times).
+    """Time this run's optimizer step on this machine: a throwaway drafter, warm-up steps (one on
+    the CPU, five on CUDA), then the mean of ``probe_steps`` timed steps. Used to give drafters
+    equal training time; other work on the machine during the probe skews the plan (the report
+    keeps real times). On CUDA the first bf16 steps of an architecture are several times slower
+    than the rest (library set-up, allocator growth, kernel choice per new shape): with one
+    warm-up step the probe read 3x DSpark's training step time (train_compare_h200.md).
 
     The mean, not the median: a step's time grows with its batch's longest record, so step
     times are skewed to the right and a run lasts steps x mean. Five steps and their median gave
@@ -229,15 +232,16 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 20) -> float:
     run = _session(cfg, new_drafter(cfg, target, records, n_train), device,
                    resolve_dtype(cfg.train.dtype, device), world=1)
     batches = iterate_batches(n_train, cfg.train.batch_size, cfg.train.seed)
+    warmup = 5 if device.type == "cuda" else 1
     times = []
-    for step in range(probe_steps + 1):
+    for step in range(probe_steps + warmup):
         t0 = time.perf_counter()
         batch = collate(records, next(batches), target, cache, device)
         run.optimize(batch, cfg, torch.Generator().manual_seed(step))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.fmean(times[1:])
+    return statistics.fmean(times[warmup:])
 
 
 def _log_step(writer, step: int, terms: LossTerms, lr: float, gnorm: float) -> None:

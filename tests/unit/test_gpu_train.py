@@ -109,6 +109,29 @@ def test_the_gpu_training_job_runs_on_the_cpu_and_its_checkpoints_come_home(tmp_
     assert (home / "runs" / "h200" / "data" / "records.jsonl").is_file()
 
 
+def test_one_drafter_for_a_fixed_step_count_trains_on_the_gzipped_records_prepare_carries(tmp_path, tiny_target_dir):
+    import gzip
+
+    plain = _records(tmp_path / "records.jsonl", tiny_target_dir)
+    packed = tmp_path / "records.jsonl.gz"
+    with open(plain, "rb") as src, gzip.open(packed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    out, runs = tmp_path / "out", tmp_path / "device_runs"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "--device", "cpu", "--dtype", "float32", "--steps", "3",
+           "--algos", "dspark", "--name", "again", "--records", str(packed), "--runs", str(runs),
+           "--eval-samples", "1", "--eval-tokens", "4", "--eval-temperatures", "0.0", "--batch-size", "2",
+           "--blocks-per-seq", "2", f"target.source={tiny_target_dir}", f"target.layer_ids={LAYERS}",
+           "train.warmup_steps=1", "eval.tasks=[math]"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "train_compare_h200.json").read_text())
+    assert report["budget"]["steps"] == 3 and report["budget"]["budget_seconds"] is None
+    assert {r["drafter"] for r in report["results"]} == {"dspark"}
+    assert (runs / "again" / "data" / "records.jsonl").read_bytes() == plain.read_bytes()
+    assert "Training: 3 steps each" in (out / "train_compare_h200.md").read_text()
+
+
 def test_pack_rounds_to_bf16_when_fp32_does_not_fit_and_unpack_refuses_an_altered_part(tmp_path):
     from safetensors.torch import load_file, save_file
 
