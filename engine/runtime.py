@@ -55,7 +55,7 @@ from .scheduler import make_scheduler
 from .sps import SpsTable
 from .static_target import with_static_steps
 from .target_runner import TargetRunner
-from . import threads
+from . import host_memory, threads
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class EngineConfig:
     # prompt chunks in the same target pass as the verify rows (with varlen attention, no static steps)
     fused_prefill: bool = True
     threads: int = 0  # intra-op threads (0: torch's default, one per usable core): engine/threads.py
+    # on the CPU, keep freed host memory in the process (no page faults per step): engine/host_memory.py
+    retain_host_memory: bool = True
     adaptive_drafting: bool = True  # skip the drafter on steps where it cannot pay (engine/draft_gate.py)
     record_rounds: bool = False  # keep per-round (verify len, accepted, confidences) for eval/calibration
 
@@ -144,6 +146,8 @@ class SpecEngine:
         self.threads = threads.configure(self.cfg.threads)
         self.runner = TargetRunner(target, self.cfg.max_batch, max_context=self.cfg.max_context,
                                    attention=self.cfg.attention, layers=self.cfg.layers)
+        if self.cfg.retain_host_memory and self.runner.device.type == "cpu":
+            host_memory.retain_freed_memory()
         log.info("engine: %s, target %s, attention %s, layers %s, proposers %s", threads.describe(),
                  str(self.runner.dtype).removeprefix("torch."), "varlen" if self.runner.varlen else "sdpa",
                  "fused" if self.runner.stack is not None else "torch", "+".join(names))
