@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from . import host_memory
 from .api import SamplingParams
 from .proposers import EngineStats, SuffixConfig
 from .runtime import EngineConfig, SpecEngine
@@ -276,6 +277,8 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
     rows_max = max(1, max_tokens // (block_size + 1)) + 1
     runner = TargetRunner(target, rows_max, initial_capacity=context + block_size + 2, max_context=context + block_size + 2)
     on_gpu = runner.device.type == "cuda"
+    if not on_gpu:  # the host allocator as the CPU engine sets it (EngineConfig.retain_host_memory)
+        host_memory.retain_freed_memory()
     runner = with_static_steps(runner, static_steps, rows_max, block_size)
     kind = ("CUDA graphs" if runner.use_graphs else "static eager") if isinstance(runner, StaticTarget) else "eager"
     counts = token_counts or sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512} & set(range(1, max_tokens + 1)))
