@@ -9,7 +9,14 @@ the drafter. Before each step the gate compares the expected output rate of
     a plain step:    R tokens      in  step_time(R)
 
 for R running requests, where A and V estimate the drafts accepted and verified per
-request on drafted steps. Both come from realised counts, so the gate also works for
+request on drafted steps. When only n of a step's B rows are the gate's to draft (the hybrid
+engine leaves rows whose suffix proposal already wins to the suffix proposer), the other rows
+ride in the same step and wait for the same drafter pass:
+
+    a drafted step:  B + n A tokens  in  draft_time(n) + step_time(B + n V)
+    a plain step:    B tokens        in  step_time(B)
+
+so a pass that pays for one request alone can cost a batch more than it gains. Both come from realised counts, so the gate also works for
 drafters without a confidence head, and both are averages over request-steps (rows), not
 over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
 ``horizon`` rows. A is shrunk towards zero by ``prior_rows`` imaginary rows that accepted
@@ -118,26 +125,29 @@ class DraftGate:
             return self.step_seconds[tokens]
         return self.step_seconds[last] * tokens / last  # compute bound beyond the table
 
-    def expected_gain(self, requests: int) -> float:
-        """Predicted output rate of a drafted step over a plain one at ``requests`` rows (>=1: draft)."""
+    def expected_gain(self, requests: int, batch_rows: int | None = None) -> float:
+        """Predicted output rate of a step that drafts ``requests`` rows over a plain one (>=1: draft),
+        in a step of ``batch_rows`` rows (default: those rows alone)."""
         if self.accepted is None:
             return float("inf")
-        t_plain = self._step_time(requests)
-        t_drafted = self.draft_time(requests) + self._step_time(requests + round(requests * self.verified))
-        return (1.0 + self.accepted) * t_plain / t_drafted
+        batch = max(batch_rows or requests, requests)
+        t_plain = self._step_time(batch)
+        t_drafted = self.draft_time(requests) + self._step_time(batch + round(requests * self.verified))
+        return (batch + requests * self.accepted) / batch * t_plain / t_drafted
 
-    def probe_cost(self, requests: int, rows: int) -> float:
-        """Predicted extra time of a probe drafting ``rows`` of ``requests``, in plain steps: the
-        rows' context catch-up, the drafter pass and the verify tokens it adds (its accepted
-        tokens are not counted)."""
-        t_plain = self._step_time(requests)
+    def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None) -> float:
+        """Predicted extra time of a probe drafting ``rows`` of ``requests`` in a step of ``batch_rows``
+        rows (default ``requests``), in plain steps: the rows' context catch-up, the drafter pass
+        and the verify tokens it adds (its accepted tokens are not counted)."""
+        batch = max(batch_rows or requests, requests)
+        t_plain = self._step_time(batch)
         verified = round(rows * (self.verified or 0.0))
-        extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(requests + verified) - t_plain
+        extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(batch + verified) - t_plain
         return extra / t_plain
 
-    def probe_cap(self, requests: int, rows: int) -> int:
+    def probe_cap(self, requests: int, rows: int, batch_rows: int | None = None) -> int:
         """The longest probe interval needed to keep probing within ``probe_budget`` of the run."""
-        needed = math.ceil(self.probe_cost(requests, rows) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
+        needed = math.ceil(self.probe_cost(requests, rows, batch_rows) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
         return max(self.min_probe, min(needed, self.max_probe))
 
     def expects_skipping(self, requests: int) -> bool:
@@ -150,14 +160,15 @@ class DraftGate:
             return not cheap and min(self.probe_rows, requests) < requests
         return self.skipping
 
-    def rows_to_draft(self, requests: int) -> int:
-        """How many of ``requests`` rows draft this step: all when drafting is predicted to pay,
-        none when it is not, ``min(probe_rows, requests)`` on a probe step."""
-        if self.draft_time(requests) < self.free_share * self._step_time(requests):  # too cheap to gate
-            rows = requests
+    def rows_to_draft(self, requests: int, batch_rows: int | None = None) -> int:
+        """How many of ``requests`` rows draft this step, in a step of ``batch_rows`` rows (default
+        ``requests``; the others ride along): all when drafting is predicted to pay, none when it is
+        not, ``min(probe_rows, requests)`` on a probe step."""
+        if self.draft_time(requests) < self.free_share * self._step_time(max(batch_rows or 0, requests)):
+            rows = requests  # too cheap to gate
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
-        elif self.expected_gain(requests) >= 1.0:  # ties draft: nothing to lose
+        elif self.expected_gain(requests, batch_rows) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0
             self.probe = self.min_probe
             rows = requests
@@ -167,7 +178,7 @@ class DraftGate:
             if self.skipped >= self.probe:  # a probe: if it does not pay either, wait longer for the next one
                 self.skipped = 0
                 rows = min(self.probe_rows, requests)
-                self.probe = min(2 * self.probe, self.probe_cap(requests, rows))
+                self.probe = min(2 * self.probe, self.probe_cap(requests, rows, batch_rows))
         self.skipping = rows < requests
         if rows:
             self.drafted_steps += 1
@@ -185,13 +196,14 @@ class DraftGate:
         self._verified = keep * self._verified + verified
 
 
-def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int]) -> list[int]:
-    """The rows of ``rows`` that draft this step: every one without a gate, else as many as
-    ``gate.rows_to_draft`` allows, those that drafted least recently (``last_drafted[i]``, an
-    engine round) first, ties by row; in row order."""
+def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int],
+               batch_rows: int | None = None) -> list[int]:
+    """The rows of ``rows`` (of a step of ``batch_rows`` rows, default ``len(rows)``) that draft this
+    step: every one without a gate, else as many as ``gate.rows_to_draft`` allows, those that drafted
+    least recently (``last_drafted[i]``, an engine round) first, ties by row; in row order."""
     if not rows or gate is None:
         return rows
-    n = gate.rows_to_draft(len(rows))
+    n = gate.rows_to_draft(len(rows), batch_rows)
     if n == len(rows):
         return rows
     return sorted(sorted(rows, key=lambda i: last_drafted[i])[:n])

@@ -451,7 +451,7 @@ class SpecEngine:
             # an empty suffix proposal leaves nothing to the suffix: such a row stays a candidate even
             # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
-        return gated_rows(self.gate, rows, [r.last_drafted for r in reqs])
+        return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs))
 
     def _neural_estimate(self) -> float:
         """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running

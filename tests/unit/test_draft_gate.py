@@ -28,6 +28,20 @@ def test_gain_is_the_ratio_of_output_rates_of_a_drafted_and_a_plain_step():
     assert gate.expected_gain(1) == pytest.approx(3 * 1.0 / (0.5 + 1.4))
 
 
+def test_rows_drafting_inside_a_larger_step_pay_the_pass_for_the_whole_batch():
+    """One row of a 4-row step: the other three wait for its drafter pass and gain nothing from it."""
+    gate = DraftGate(_table(draft_seconds=0.2, verify_slope=0.01), max_tokens=64, prior_rows=0.0)
+    gate.observe(requests=2, verified=4, accepted=1)  # per request: 2 verified, 0.5 accepted
+    alone = 1.5 * 1.0 / (0.2 + 1.02)  # 1 + 0.5 tokens in 0.2 + step(3) s; plain: 1 token in step(1) = 1 s
+    assert gate.expected_gain(1) == pytest.approx(alone) and alone > 1.0
+    t4, t6 = 1.03, 1.05  # step(4), step(4 + 2)
+    in_batch = (4 + 0.5) / 4 * t4 / (0.2 + t6)
+    assert gate.expected_gain(1, batch_rows=4) == pytest.approx(in_batch) and in_batch < 1.0
+    assert gate.rows_to_draft(1) == 1 and gate.rows_to_draft(1, batch_rows=4) == 0
+    assert gated_rows(gate, [2], [0, 0, 0, 0], batch_rows=4) == [] and gated_rows(gate, [2], [0, 0, 0, 0]) == [2]
+    assert gate.expected_gain(4, batch_rows=4) == pytest.approx(gate.expected_gain(4))  # the whole batch: as before
+
+
 def test_acceptance_is_shrunk_towards_zero_by_the_prior_rows():
     gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, prior_rows=4.0)
     gate.observe(requests=2, verified=8, accepted=4)
