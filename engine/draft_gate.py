@@ -16,7 +16,8 @@ ride in the same step and wait for the same drafter pass:
     a drafted step:  B + n A tokens  in  draft_time(n) + step_time(B + n V)
     a plain step:    B tokens        in  step_time(B)
 
-so a pass that pays for one request alone can cost a batch more than it gains. Both come from realised counts, so the gate also works for
+so a pass that pays for one request alone can cost a batch more than it gains. A and V
+come from realised counts, so the gate also works for
 drafters without a confidence head, and both are averages over request-steps (rows), not
 over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
 ``horizon`` rows. A is shrunk towards zero by ``prior_rows`` imaginary rows that accepted

@@ -5,15 +5,15 @@ at 64 rows of a 49,152-id vocabulary), the activations, the verify rule's work. 
 serves an allocation above its mmap threshold with a fresh mapping that ``free`` hands back to the
 kernel, and it trims a free heap top above its trim threshold; the threshold adapts to the sizes
 freed, but not to every size a step uses. Each time, the next step's writes fault every 4 KiB page
-in again, zero-filled by the kernel. At 64 rows, T = 1, on 2 cores that was about 7,000 minor faults
-and 6 ms of a 165 ms step (median over 80 steps, the embedded SmolLM2).
+in again, zero-filled by the kernel: thousands of minor faults per 64-row step of the embedded
+SmolLM2 on 2 cores (``docs/benchmarks/host_memory.md``).
 
 ``retain_freed_memory`` sets, through ``mallopt``, the mmap threshold to glibc's largest (32 MiB on
 a 64-bit build) and the trim threshold to 1 GiB: allocations under 32 MiB come from the heap, and
 what a step frees stays there for the next one. The price is resident memory held at the steps'
 high-water mark (up to 1 GiB of freed heap kept), the trade that server allocators such as jemalloc
-and tcmalloc make too. It is process-wide, so the engine applies it once (``EngineConfig.retain_host_memory``)
-and only on the CPU. Under a C library without ``mallopt`` (not glibc) it changes nothing and says so.
+and tcmalloc make too. It is process-wide, so the engine applies it once
+(``EngineConfig.retain_host_memory``) and only on the CPU. Under a C library without ``mallopt`` (not glibc) it changes nothing and says so.
 """
 from __future__ import annotations
 

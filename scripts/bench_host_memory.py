@@ -69,7 +69,8 @@ def markdown(report: dict) -> str:
     lines = ["# Host memory kept in the process: decode steps with and without (`engine/host_memory.py`)", "",
              f"Command: `{report['command']}`", "",
              f"Host: {report['host']}; our target-only engine on the embedded SmolLM2, "
-             f"{report['batch']} requests in flight x {report['new_tokens']} new tokens, T = {report['temperature']:g}; "
+             f"{report['batch']} requests in flight x {report['new_tokens']} new tokens, "
+             f"T = {report['temperature']:g}; "
              f"{report['rounds']} rounds, the two settings alternating in rotating order, a fresh process each.", "",
              "| setting | ms per decode step | minor faults per step (median) | (mean) | tokens/s |",
              "|---|---|---|---|---|"]
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = [g["retained"]["tokens_per_s"] / g["returned"]["tokens_per_s"] for g in runs]
     step = [g["retained"]["ms_per_step"] / g["returned"]["ms_per_step"] for g in runs]
     report = {"command": "python scripts/bench_host_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "host": cpu_label(args.threads), "threads": args.threads, "batch": args.batch, "new_tokens": args.new_tokens,
+              "host": cpu_label(args.threads), "threads": args.threads, "batch": args.batch,
+              "new_tokens": args.new_tokens,
               "temperature": args.temperature, "rounds": args.rounds, "runs": runs,
               "summary": {"tokens_per_s_ratio": statistics.median(tok), "tokens_per_s_ratio_rounds": tok,
                           "step_time_ratio": statistics.median(step)}}

@@ -197,7 +197,8 @@ def run(args) -> int:
     if md.is_file():  # where it ran and what came back, beside the table
         rounded = info["pack"].get("rounded_to_bf16")
         plan = f"{args.steps} steps each" if args.steps else f"{args.budget:g} s each, planned"
-        md.write_text(md.read_text() + f"\nDevice: {info['device']}. Training: {plan}. The rows above were measured there with the fp32 weights; the "
+        md.write_text(md.read_text() + f"\nDevice: {info['device']}. Training: {plan}. The rows above were "
+                      f"measured there with the fp32 weights; the "
                       f"checkpoints came back {'rounded to bf16' if rounded else 'in fp32'} "
                       f"(gpu_train.json, scripts/gpu_train.py unpack).\n")
     print(json.dumps(info["pack"], indent=2), flush=True)

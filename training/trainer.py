@@ -218,8 +218,8 @@ def seconds_per_step(cfg: RunConfig, target, probe_steps: int = 20) -> float:
     the CPU, five on CUDA), then the mean of ``probe_steps`` timed steps. Used to give drafters
     equal training time; other work on the machine during the probe skews the plan (the report
     keeps real times). On CUDA the first bf16 steps of an architecture are several times slower
-    than the rest (library set-up, allocator growth, kernel choice per new shape): with one
-    warm-up step the probe read 3x DSpark's training step time (train_compare_h200.md).
+    than the rest (library set-up, allocator growth, kernel choice per new shape), so one warm-up
+    step is too few there (train_compare_h200.md).
 
     The mean, not the median: a step's time grows with its batch's longest record, so step
     times are skewed to the right and a run lasts steps x mean. Five steps and their median gave
