@@ -33,7 +33,8 @@ step drafts anyway, so the averages follow the text (a response can turn predict
 halfway through). A probe drafts only ``probe_rows`` of the running requests (the engine
 picks those that drafted least recently): the averages are per request, so a few rows
 measure them, and at a large batch a full drafter pass is a large share of a step. The
-probe interval doubles after each probe that does not pay, up to the interval at which
+probe interval grows ``probe_growth``-fold after each probe that does not pay, up to the
+interval at which
 probing a drafter that never pays costs ``probe_budget`` of the run: a probe's extra time
 over a plain step (from the SPS table, in plain steps) divided by the budget, kept within
 ``[min_probe, max_probe]``. That extra time includes the probed rows' context catch-up
@@ -66,7 +67,8 @@ class DraftGate:
 
     def __init__(self, table: SpsTable, max_tokens: int, min_probe: int = 4, max_probe: int = 1024,
                  horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
-                 probe_budget: float = 0.005, draft_time: Callable[[int], float] | None = None,
+                 probe_budget: float = 0.005, probe_growth: float = 2.0,
+                 draft_time: Callable[[int], float] | None = None,
                  free_share: float = 0.0, catchup_time: Callable[[int], float] | None = None) -> None:
         """``draft_time(rows)``: seconds of the gated proposer's pass (``Proposer.cost().seconds``);
         default the table's profiled drafter pass. ``catchup_time(rows)``: seconds that ``rows``
@@ -87,6 +89,8 @@ class DraftGate:
             raise ValueError(f"prior_rows must be >= 0, got {prior_rows}")
         if not 0.0 <= free_share < 1.0:
             raise ValueError(f"free_share must be in [0, 1), got {free_share}")
+        if not probe_growth > 1.0:
+            raise ValueError(f"probe_growth must be > 1, got {probe_growth}")
         if not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.table = table
@@ -98,6 +102,7 @@ class DraftGate:
         self.prior_rows = prior_rows
         self.probe_rows = probe_rows
         self.probe_budget = probe_budget
+        self.probe_growth = probe_growth
         self.free_share = free_share
         self.reset()
 
@@ -179,7 +184,8 @@ class DraftGate:
             if self.skipped >= self.probe:  # a probe: if it does not pay either, wait longer for the next one
                 self.skipped = 0
                 rows = min(self.probe_rows, requests)
-                self.probe = min(2 * self.probe, self.probe_cap(requests, rows, batch_rows))
+                grown = math.ceil(self.probe_growth * self.probe)
+                self.probe = min(grown, self.probe_cap(requests, rows, batch_rows))
         self.skipping = rows < requests
         if rows:
             self.drafted_steps += 1

@@ -202,7 +202,8 @@ class SpecEngine:
             log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds,
-                         catchup_time=cost.catchup_seconds)
+                         catchup_time=cost.catchup_seconds, probe_rows=NEURAL_PROBE_ROWS,
+                         probe_growth=NEURAL_PROBE_GROWTH)
 
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),
@@ -767,6 +768,14 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
 
 SAMPLING_RULES = ("coupled", "rejection", "auto")
 TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
+
+
+# The neural gate's probes (engine/draft_gate.py): 2 rows, so that from 3 rows up the engine keeps a skipped drafter's
+# context to a window from the first step on (a first probe at 4 rows does not ingest four whole prompts), and an
+# interval that quadruples while probes lose: a batch of requests decodes a few hundred steps, in which doubling
+# from 4 probes a drafter that never pays six times (by step 252) and quadrupling three (by step 84).
+NEURAL_PROBE_ROWS = 2
+NEURAL_PROBE_GROWTH = 4.0
 
 
 def _is_coupled(rule: str, seeded: bool) -> bool:

@@ -155,6 +155,7 @@ def test_hybrid_keeps_probing_a_drafter_whose_first_probe_accepted_nothing():
     engine = SpecEngine(target, _drafter(target), EngineConfig(proposers="neural+suffix", scheduler="algorithm1",
                                                                max_batch=2, suffix=rare), sps=_table())
     calls = record_rows(engine.draft_runner, "propose")
+    engine.gate.probe_growth = 2.0  # the run consults the gate a dozen times: room for two probes when doubling
     engine.gate.observe(8, 8, 0)  # a history in which the drafter accepted nothing: its estimate is 0
     assert engine.gate.accepted == 0.0
     assert run_to_completion(engine, jobs) == base

@@ -74,7 +74,7 @@ def test_a_lucky_row_does_not_switch_a_batch_to_drafting():
 
 def test_gate_rejects_bad_settings():
     for kw in ({"horizon": 1.0}, {"prior_rows": -1.0}, {"probe_rows": 0}, {"min_probe": 0}, {"probe_budget": 0.0},
-               {"probe_budget": 1.5}):
+               {"probe_budget": 1.5}, {"probe_growth": 1.0}):
         with pytest.raises(ValueError):
             DraftGate(_table(draft_seconds=0.5), max_tokens=64, **kw)
 
@@ -93,6 +93,33 @@ def test_a_drafter_that_never_pays_is_skipped_with_backed_off_probes():
     gaps = [b - a for a, b in zip(drafted, drafted[1:])]
     assert gaps[:3] == [2, 4, 8] and all(g == 8 for g in gaps[3:])  # probe interval doubles to the cap
     assert gate.skipped_steps == 40 - len(drafted)
+
+
+def test_a_faster_growing_interval_probes_a_drafter_that_never_pays_less_often():
+    decisions = {}
+    for growth in (2.0, 4.0):
+        gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, max_probe=1024, probe_growth=growth)
+        drafted = []
+        for step in range(253):
+            if gate.rows_to_draft(1):
+                drafted.append(step)
+                gate.observe(1, verified=1, accepted=0)
+        decisions[growth] = drafted
+    # the first step drafts; then the gaps grow from 4 up to the budget's cap, 0.5 / 0.005 = 100 plain steps
+    assert decisions[2.0] == [0, 4, 12, 28, 60, 124, 224]
+    assert decisions[4.0] == [0, 4, 20, 84, 184]
+
+
+def test_the_engine_probes_its_neural_drafter_with_two_rows_and_a_quadrupling_interval():
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    table = _table(draft_seconds=0.5)
+    eng = SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1", max_batch=8), sps=table)
+    assert (eng.gate.probe_rows, eng.gate.probe_growth) == (2, 4.0)
+    # the suffix gate keeps the defaults: its probes cost host time only
+    hybrid = SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1", max_batch=8, proposers="neural+suffix"),
+                        sps=table)
+    assert (hybrid.suffix_gate.probe_rows, hybrid.suffix_gate.probe_growth) == (4, 2.0)
 
 
 def test_the_probe_interval_stops_doubling_where_probing_costs_the_budget():
