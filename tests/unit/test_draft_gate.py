@@ -110,15 +110,17 @@ def test_a_faster_growing_interval_probes_a_drafter_that_never_pays_less_often()
     assert decisions[4.0] == [0, 4, 20, 84, 184]
 
 
-def test_the_engine_probes_its_neural_drafter_with_two_rows_and_a_quadrupling_interval():
+def test_the_engine_probes_its_neural_drafter_with_two_rows_a_quadrupling_interval_and_its_budget():
     target = make_tiny_target()
     drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
     table = _table(draft_seconds=0.5)
     eng = SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1", max_batch=8), sps=table)
-    assert (eng.gate.probe_rows, eng.gate.probe_growth) == (2, 4.0)
-    # the suffix gate keeps the defaults: its probes cost host time only
+    assert (eng.gate.probe_rows, eng.gate.probe_growth, eng.gate.probe_budget) == (2, 4.0, 0.005)
+    # beside the suffix proposer the neural probes get a fifth of the budget; the suffix gate keeps the
+    # defaults: its probes cost host time only
     hybrid = SpecEngine(target, drafter, EngineConfig(scheduler="algorithm1", max_batch=8, proposers="neural+suffix"),
                         sps=table)
+    assert (hybrid.gate.probe_rows, hybrid.gate.probe_growth, hybrid.gate.probe_budget) == (2, 4.0, 0.001)
     assert (hybrid.suffix_gate.probe_rows, hybrid.suffix_gate.probe_growth) == (4, 2.0)
 
 

@@ -198,30 +198,38 @@ def noise_ids(model) -> torch.Tensor | None:
     return model.draft_ids if model.cfg.draft_vocab_size else None
 
 
+def _greedy_or_sampled(scores: torch.Tensor, temperature: torch.Tensor,
+                       sample: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """One token per row: the argmax of ``scores`` [R, V] for greedy rows, ``sample(rows)`` for the
+    sampled ones (``rows`` their indices, or None when every row is sampled), which is then the only
+    work spent on a draw: a greedy row's distribution is one-hot at its argmax."""
+    sampled = temperature > 0
+    if not bool(sampled.any()):
+        return scores.argmax(-1)
+    if bool(sampled.all()):
+        return sample(None)
+    rows = sampled.nonzero().squeeze(-1)
+    x = scores.argmax(-1)
+    x[rows] = sample(rows)
+    return x
+
+
 def draw(probs: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None, k: int = 0,
          ids: torch.Tensor | None = None) -> torch.Tensor:
     """One draft token per row of ``draft_distribution(logits, temperature)``: the argmax for greedy
-    rows (their distribution is one-hot), a draw for the sampled rows only (a draw over the
-    vocabulary costs as much as the Markov bias on CPU, wasted on a one-hot).
+    rows, a draw for the sampled rows only (a draw over the vocabulary costs as much as the
+    Markov bias on CPU, wasted on a one-hot).
 
     With ``noise`` the draw is the exponential race of ``plugins/coupled.py`` at draft offset
     ``k`` (columns at target ids ``ids``): an exact sample, and under the coupled verify rule
     the very noise the target's own choice at that position uses. Without it, a multinomial
     draw from torch's global generator (tools that only need a sample)."""
-    sampled = temperature > 0
-    if not bool(sampled.any()):
-        return probs.argmax(-1)
-    rows = None if bool(sampled.all()) else sampled.nonzero().squeeze(-1)
-    sub = probs if rows is None else probs[rows]
-    if noise is not None:
-        picked = noise.draw(sub, k, rows, ids)
-    else:
-        picked = torch.multinomial(sub, 1).squeeze(-1)
-    if rows is None:
-        return picked
-    x = probs.argmax(-1)  # greedy rows are one-hot at the logits' argmax
-    x[rows] = picked
-    return x
+    def sample(rows: torch.Tensor | None) -> torch.Tensor:
+        sub = probs if rows is None else probs[rows]
+        if noise is not None:
+            return noise.draw(sub, k, rows, ids)
+        return torch.multinomial(sub, 1).squeeze(-1)
+    return _greedy_or_sampled(probs, temperature, sample)
 
 
 def draw_coupled(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise, k: int = 0,
@@ -229,14 +237,11 @@ def draw_coupled(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoi
     """One draft token per row for drafts judged by the coupled rule (``noise.coupled``): the argmax
     for greedy rows; for sampled rows the race among their likeliest candidates
     (``RaceNoise.draw_top``), which needs neither a softmax over the vocabulary nor noise for all of it."""
-    sampled = temperature > 0
-    if bool(sampled.all()):
-        return noise.draw_top(logits, temperature, k, None, ids)
-    x = logits.argmax(-1)
-    rows = sampled.nonzero().squeeze(-1)
-    if rows.numel():
-        x[rows] = noise.draw_top(logits[rows], temperature[rows], k, rows, ids)
-    return x
+    def sample(rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            return noise.draw_top(logits, temperature, k, None, ids)
+        return noise.draw_top(logits[rows], temperature[rows], k, rows, ids)
+    return _greedy_or_sampled(logits, temperature, sample)
 
 
 def pick(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoise | None,
