@@ -34,8 +34,7 @@ halfway through). A probe drafts only ``probe_rows`` of the running requests (th
 picks those that drafted least recently): the averages are per request, so a few rows
 measure them, and at a large batch a full drafter pass is a large share of a step. The
 probe interval grows ``probe_growth``-fold after each probe that does not pay, up to the
-interval at which
-probing a drafter that never pays costs ``probe_budget`` of the run: a probe's extra time
+interval at which probing a drafter that never pays costs ``probe_budget`` of the run: a probe's extra time
 over a plain step (from the SPS table, in plain steps) divided by the budget, kept within
 ``[min_probe, max_probe]``. That extra time includes the probed rows' context catch-up
 (``catchup_time``): a row the gate has skipped rebuilds its drafter cache from a window of

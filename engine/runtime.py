@@ -779,7 +779,7 @@ NEURAL_PROBE_ROWS = 2
 NEURAL_PROBE_GROWTH = 4.0
 # The share of a run the neural gate may spend probing a drafter that does not pay (engine/draft_gate.py). Beside
 # the suffix proposer, which drafts the predictable stretches a probe looks for, a fifth of it: a 2-row probe is
-# cheap against a 64-row step, and at 0.5% the probes came every ~16 steps there (docs/benchmarks/decode.md).
+# cheap against a 64-row step, so the larger budget would let probes come every few dozen steps there.
 NEURAL_PROBE_BUDGET = 0.005
 HYBRID_PROBE_BUDGET = 0.001
 

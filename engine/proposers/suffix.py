@@ -76,10 +76,9 @@ class SuffixConfig:
     shared_max_outputs: int = 256  # the shared ring keeps at most this many outputs ...
     shared_max_tokens: int = 65536  # ... and at most this many tokens
     # host seconds of one row's lookup (propose, with the indexing of its tokens since the last one), for
-    # the suffix gate: what skipping a row saves. Priced above the 56 us the native index takes (timed
-    # around `propose` at 4 and 16 rows on a 2-core Xeon): at that price lookups would run ungated up to 16
-    # rows (`DraftGate.free_share`), and at T=1 and 16 rows that ran 2% slower than gated lookups, whose
-    # drafts there mostly fail (docs/benchmarks/decode_ab_probes.md)
+    # the suffix gate: what skipping a row saves. Priced above the native index's own time (about a third
+    # of this on a 2-core Xeon): at that price lookups would run ungated up to 16 rows (`DraftGate.free_share`),
+    # and at T=1, where their drafts mostly fail, gated lookups are faster (docs/benchmarks/decode_ab_probes.md)
     host_seconds_per_row: float = 1.5e-4
     native: bool = True  # the C++ index where it builds (suffix_index.py), else the Python one
 
