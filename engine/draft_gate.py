@@ -135,7 +135,7 @@ class DraftGate:
         in a step of ``batch_rows`` rows (default: those rows alone)."""
         if self.accepted is None:
             return float("inf")
-        batch = max(batch_rows or requests, requests)
+        batch = _step_rows(requests, batch_rows)
         t_plain = self._step_time(batch)
         t_drafted = self.draft_time(requests) + self._step_time(batch + round(requests * self.verified))
         return (batch + requests * self.accepted) / batch * t_plain / t_drafted
@@ -144,7 +144,7 @@ class DraftGate:
         """Predicted extra time of a probe drafting ``rows`` of ``requests`` in a step of ``batch_rows``
         rows (default ``requests``), in plain steps: the rows' context catch-up, the drafter pass
         and the verify tokens it adds (its accepted tokens are not counted)."""
-        batch = max(batch_rows or requests, requests)
+        batch = _step_rows(requests, batch_rows)
         t_plain = self._step_time(batch)
         verified = round(rows * (self.verified or 0.0))
         extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(batch + verified) - t_plain
@@ -169,7 +169,7 @@ class DraftGate:
         """How many of ``requests`` rows draft this step, in a step of ``batch_rows`` rows (default
         ``requests``; the others ride along): all when drafting is predicted to pay, none when it is
         not, ``min(probe_rows, requests)`` on a probe step."""
-        if self.draft_time(requests) < self.free_share * self._step_time(max(batch_rows or 0, requests)):
+        if self.draft_time(requests) < self.free_share * self._step_time(_step_rows(requests, batch_rows)):
             rows = requests  # too cheap to gate
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
@@ -200,6 +200,11 @@ class DraftGate:
         self._rows = keep * self._rows + requests
         self._accepted = keep * self._accepted + accepted
         self._verified = keep * self._verified + verified
+
+
+def _step_rows(requests: int, batch_rows: int | None) -> int:
+    """Rows in a step where ``requests`` rows are the gate's to draft: ``batch_rows``, or those rows alone."""
+    return max(batch_rows or requests, requests)
 
 
 def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int],

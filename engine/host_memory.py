@@ -13,7 +13,8 @@ a 64-bit build) and the trim threshold to 1 GiB: allocations under 32 MiB come f
 what a step frees stays there for the next one. The price is resident memory held at the steps'
 high-water mark (up to 1 GiB of freed heap kept), the trade that server allocators such as jemalloc
 and tcmalloc make too. It is process-wide, so the engine applies it once
-(``EngineConfig.retain_host_memory``) and only on the CPU. Under a C library without ``mallopt`` (not glibc) it changes nothing and says so.
+(``EngineConfig.retain_host_memory``) and only on the CPU. Under a C library without ``mallopt``
+(not glibc) it changes nothing and says so.
 """
 from __future__ import annotations
 

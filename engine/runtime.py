@@ -204,7 +204,7 @@ class SpecEngine:
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds,
                          catchup_time=cost.catchup_seconds, probe_rows=NEURAL_PROBE_ROWS,
                          probe_growth=NEURAL_PROBE_GROWTH,
-                         probe_budget=HYBRID_PROBE_BUDGET if self.suffix is not None else NEURAL_PROBE_BUDGET)
+                         **({"probe_budget": HYBRID_PROBE_BUDGET} if self.suffix is not None else {}))
 
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),
@@ -777,10 +777,10 @@ TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
 # from 4 probes a drafter that never pays six times (by step 252) and quadrupling three (by step 84).
 NEURAL_PROBE_ROWS = 2
 NEURAL_PROBE_GROWTH = 4.0
-# The share of a run the neural gate may spend probing a drafter that does not pay (engine/draft_gate.py). Beside
-# the suffix proposer, which drafts the predictable stretches a probe looks for, a fifth of it: a 2-row probe is
-# cheap against a 64-row step, so the larger budget would let probes come every few dozen steps there.
-NEURAL_PROBE_BUDGET = 0.005
+# The share of a run the neural gate may spend probing a drafter that does not pay, beside the suffix proposer
+# (alone: DraftGate's default). The suffix proposer drafts the predictable stretches a probe looks for, so a fifth
+# of the default: a 2-row probe is cheap against a 64-row step, and the default would let probes come every few
+# dozen steps there.
 HYBRID_PROBE_BUDGET = 0.001
 
 
