@@ -120,18 +120,41 @@ class TargetRunner:
         self.max_context = max_context
         p = next(target.model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.capacity = min(initial_capacity, max_context)
-        L = len(self.layers)
-        shape = (L, max_slots, self.n_kv, self.capacity, self.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.lengths = torch.zeros(max_slots, dtype=torch.long)
         fits = self.device.type == "cpu" and self.dtype == torch.float32
         if attention == "varlen" and not (fits and cpu_attention.available()):
             raise ValueError("attention='varlen' needs a float32 target on the CPU and a C++ toolchain "
                              "(engine/cpu_attention.py)")
         self.varlen = attention == "varlen" or (attention == "auto" and fits and cpu_attention.available())
+        self.lengths = torch.zeros(max_slots, dtype=torch.long)
+        self._allocate_cache(min(initial_capacity, max_context))
         self.stack = self._fused_stack(target, layers)
+
+    def _allocate_cache(self, initial_capacity: int) -> None:
+        """K/V caches ``[layers, slots, kv heads, capacity, head_dim]``.
+
+        Varlen attention reads only positions a step has written, so on the CPU the cache is
+        allocated for ``max_context`` at once and left uninitialised: the allocation maps
+        address space, and the kernel faults in a page when a position on it is first written
+        (resident memory follows the positions used, as with growth). Growing a cache instead
+        copies all of it into a larger one, a pause that grows with the batch (hundreds of
+        milliseconds per doubling at 64 slots on 2 cores) in the middle of a decode. Where
+        that much address space cannot be had, or attention reads the padded grid under a mask
+        (whose masked cells must hold finite numbers), the cache starts at ``initial_capacity``
+        zeroed and grows by doubling (``reserve``)."""
+        L = len(self.layers)
+        if self.varlen:
+            shape = (L, self.max_slots, self.n_kv, self.max_context, self.head_dim)
+            try:
+                self.k = torch.empty(shape, dtype=self.dtype)
+                self.v = torch.empty(shape, dtype=self.dtype)
+                self.capacity = self.max_context
+                return
+            except RuntimeError:  # not enough address space: grow instead
+                self.k = self.v = None
+        self.capacity = initial_capacity
+        shape = (L, self.max_slots, self.n_kv, self.capacity, self.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _fused_stack(self, target, layers: str) -> cpu_decoder.DecoderStack | None:
         """The C++ decoder stack where ``layers`` asks for it and it can run this target exactly."""
