@@ -50,8 +50,11 @@ def test_fused_stack_matches_the_pytorch_layers(make, linear_mode, monkeypatch):
         for name in ("logits", "aux", "last"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{name}: {m}")
-    torch.testing.assert_close(fused[0].k, torch_layers[0].k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fused[0].v, torch_layers[0].v, rtol=1e-5, atol=1e-5)
+    written = {0: 3 + 3, 1: 1, 2: 9 + 4, 3: 14}  # past these a CPU cache holds whatever its memory held
+    for slot, n in written.items():
+        for cache in ("k", "v"):
+            torch.testing.assert_close(getattr(fused[0], cache)[:, slot, :, :n],
+                                       getattr(torch_layers[0], cache)[:, slot, :, :n], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
