@@ -136,8 +136,8 @@ class TargetRunner:
         allocated for ``max_context`` at once and left uninitialised: the allocation maps
         address space, and the kernel faults in a page when a position on it is first written
         (resident memory follows the positions used, as with growth). Growing a cache instead
-        copies all of it into a larger one, a pause that grows with the batch (hundreds of
-        milliseconds per doubling at 64 slots on 2 cores) in the middle of a decode. Where
+        copies all of it into a larger one, a pause in the middle of a decode that grows with
+        the batch and the context. Where
         that much address space cannot be had, or attention reads the padded grid under a mask
         (whose masked cells must hold finite numbers), the cache starts at ``initial_capacity``
         zeroed and grows by doubling (``reserve``)."""
