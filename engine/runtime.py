@@ -201,10 +201,10 @@ class SpecEngine:
         if not (isinstance(sps, SpsTable) and cost.known):
             log.info("adaptive drafting off: the SPS table has no drafter cost (dspark profile --checkpoint)")
             return None
+        budget = {"probe_budget": HYBRID_PROBE_BUDGET} if self.suffix is not None else {}  # alone: the default
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds,
                          catchup_time=cost.catchup_seconds, probe_rows=NEURAL_PROBE_ROWS,
-                         probe_growth=NEURAL_PROBE_GROWTH,
-                         **({"probe_budget": HYBRID_PROBE_BUDGET} if self.suffix is not None else {}))
+                         probe_growth=NEURAL_PROBE_GROWTH, **budget)
 
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),

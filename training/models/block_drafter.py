@@ -238,9 +238,8 @@ def draw_coupled(logits: torch.Tensor, temperature: torch.Tensor, noise: RaceNoi
     for greedy rows; for sampled rows the race among their likeliest candidates
     (``RaceNoise.draw_top``), which needs neither a softmax over the vocabulary nor noise for all of it."""
     def sample(rows: torch.Tensor | None) -> torch.Tensor:
-        if rows is None:
-            return noise.draw_top(logits, temperature, k, None, ids)
-        return noise.draw_top(logits[rows], temperature[rows], k, rows, ids)
+        sel = slice(None) if rows is None else rows
+        return noise.draw_top(logits[sel], temperature[sel], k, rows, ids)
     return _greedy_or_sampled(logits, temperature, sample)
 
 
