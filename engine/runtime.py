@@ -351,9 +351,18 @@ class SpecEngine:
     def _mark_idle(self) -> None:
         """Tell the neural proposer whether the gate is skipping it (it then keeps only a window of
         recent context); before the gate's first decision, whether that decision will be a probe of
-        part of the batch, so that the first prompts of a large batch are windowed too."""
-        if self.neural is not None:
-            self.neural.idle = self.gate is not None and self.gate.expects_skipping(len(self._active))
+        part of the batch, so that the first prompts of a large batch are windowed too. While it
+        skips, only the next probes' candidates keep even the window: the ``PROBE_CANDIDATES *
+        NEURAL_PROBE_ROWS`` requests that drafted least recently (the order probes pick rows in)."""
+        if self.neural is None:
+            return
+        idle = self.gate is not None and self.gate.expects_skipping(len(self._active))
+        self.neural.idle = idle
+        self.neural.keep = None
+        if idle:
+            live = [r for r in self._active if not r.finished]
+            oldest = sorted(range(len(live)), key=lambda i: live[i].last_drafted)[:PROBE_CANDIDATES * NEURAL_PROBE_ROWS]
+            self.neural.keep = frozenset(live[i].slot for i in oldest)
 
     def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
         """(request, prompt tokens this step) in admission order, within ``prefill_tokens``;
@@ -443,10 +452,12 @@ class SpecEngine:
         (from its calibrated confidences) as the neural drafter's running estimate (its accepted
         drafts per row on past rounds: committed history), is left to the suffix proposal. Of the
         rest the gate decides how many draft (all, none, or on a probe the few that drafted least
-        recently). Nothing here reads a neural draft."""
+        recently). A row whose neural context was dropped while the gate skipped it (outside the
+        probe candidates, ``_mark_idle``) has nothing to draft from and waits until it has. Nothing
+        here reads a neural draft."""
         if self.neural is None:
             return []
-        rows = list(range(len(reqs)))
+        rows = [i for i, r in enumerate(reqs) if self.neural.has_context(r.slot)]
         if suffix is not None:
             bar = self._neural_estimate()
             expected = suffix.expected_accepts().tolist()
@@ -777,6 +788,9 @@ TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
 # from 4 probes a drafter that never pays six times (by step 252) and quadrupling three (by step 84).
 NEURAL_PROBE_ROWS = 2
 NEURAL_PROBE_GROWTH = 4.0
+# While the neural gate skips, the requests of this many coming probes keep a context window; the others' features
+# are not stored at all (at 64 rows, storing every row's features each step cost about as much as a suffix lookup)
+PROBE_CANDIDATES = 2
 # The share of a run the neural gate may spend probing a drafter that does not pay, beside the suffix proposer
 # (alone: DraftGate's default). The suffix proposer drafts the predictable stretches a probe looks for, so a fifth
 # of the default: a 2-row probe is cheap against a 64-row step, and the default would let probes come every few

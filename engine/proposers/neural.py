@@ -11,7 +11,12 @@ waits for the drafter's context pass.
 
 While the engine's drafting gate skips the drafter (``idle``, set by the engine from the
 gate's latest decision, or before the first from whether it will probe part of the batch), a
-backlog is not flushed but cut: once it reaches twice ``IDLE_CONTEXT_TOKENS`` only its most
+slot outside ``keep`` (the few slots the gate's next probe may draft, named by the engine)
+keeps no context at all: its positions are counted, not written, and its drafter cache is
+dropped, so a skipped drafter costs a large batch a few integer updates per row rather than
+a feature write per row and step; a slot with no context left proposes nothing until it has
+some again. A slot in ``keep`` (every slot when ``keep`` is None) keeps a window: its backlog
+is not flushed but cut: once it reaches twice ``IDLE_CONTEXT_TOKENS`` only its most
 recent ``IDLE_CONTEXT_TOKENS`` positions are kept,
 and the slot's drafter cache is dropped; its next draft rebuilds the cache from the kept
 positions alone (a window of the recent text, positions renumbered from 0: the drafter's
@@ -63,7 +68,7 @@ class _SlotContext:
 
     @property
     def backlog(self) -> int:
-        return self.paired - self.cached
+        return max(0, self.paired - self.cached)  # a dropped slot's cut may run one position past its pairs
 
 
 class NeuralProposer(Proposer):
@@ -94,6 +99,7 @@ class NeuralProposer(Proposer):
         self.max_backlog_tokens = MAX_BACKLOG_TOKENS
         self.idle_context_tokens = IDLE_CONTEXT_TOKENS
         self.idle = False  # the engine's gate is skipping the drafter: cut backlogs instead of flushing them
+        self.keep: frozenset[int] | None = None  # while idle, the slots that keep a context window (None: all)
         self._slots: dict[int, _SlotContext] = {}
         self._free_rows = list(range(max_slots - 1, -1, -1))
         self._ring: torch.Tensor | None = None  # [max_slots, capacity, F], allocated by the first features
@@ -119,16 +125,25 @@ class NeuralProposer(Proposer):
         write. While ``idle``, positions the end-of-phase cut would drop are cut now, unwritten (a
         prompt chunk then costs the ring its last ``idle_context_tokens`` positions, not all)."""
         entries = []
+        dropping = self.idle and self.keep is not None
         for i, s in enumerate(slots):
             st = self._slots[s]
-            if len(tokens[i]):
-                st.tokens.extend(int(t) for t in tokens[i])
+            st.tokens.extend(map(int, tokens[i]))
             n = int(counts[i]) if features is not None else 0
-            if n:
+            if n and dropping and s not in self.keep:
+                self._drop(st, n)
+            elif n:
                 skip = self._cut_ahead(st, n) if self.idle else 0
                 entries.append((i, st, skip, n))
         if entries:
             self._store(features, entries)
+
+    @staticmethod
+    def _drop(st: _SlotContext, n: int) -> None:
+        """``n`` new positions of a slot that keeps no context: counted as fed and cut, never written."""
+        st.fed += n
+        st.cached = max(st.cached, st.fed)
+        st.stale = True
 
     def _cut_ahead(self, st: _SlotContext, n: int) -> int:
         """The cut ``settle`` makes while idle, applied before ``n`` new positions are written;
@@ -216,6 +231,12 @@ class NeuralProposer(Proposer):
     def move(self, src: int, dst: int) -> None:
         self.runner.move(src, dst)
         self._slots[dst] = self._slots.pop(src)
+
+    def has_context(self, slot: int) -> bool:
+        """Whether ``slot`` has any context to draft from: positions waiting in the ring, or a drafter
+        cache that was not dropped (a slot outside ``keep`` while idle has none)."""
+        st = self._slots[slot]
+        return st.paired > st.cached or not st.stale
 
     def backlog_tokens(self, slot: int) -> int:
         """Committed positions of ``slot`` not yet in the drafter's cache (paired with their next token)."""

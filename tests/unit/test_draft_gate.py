@@ -6,7 +6,7 @@ import torch
 
 from dspark.engine.api import SamplingParams
 from dspark.engine.draft_gate import DraftGate, gated_rows
-from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.runtime import NEURAL_PROBE_ROWS, PROBE_CANDIDATES, EngineConfig, SpecEngine
 from dspark.engine.sps import SpsTable
 from dspark.training.models import build_drafter, drafter_config_for
 
@@ -240,17 +240,20 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
 
     def recording_propose(slots, *args, **kwargs):
         drafted_slots.append(list(slots))
+        assert all(neural.has_context(s) for s in slots)  # a row whose context was dropped does not draft
         return propose(slots, *args, **kwargs)
     engine.draft_runner.propose = recording_propose
     neural = engine.neural
     neural.idle_context_tokens = 3
     idle_backlogs: list[int] = []
+    kept: list[int] = []
     settle = neural.settle
 
     def recording_settle(slots):
         settle(slots)
         if neural.idle:
             idle_backlogs.extend(neural.backlog_tokens(s) for s in slots)
+            kept.append(len(neural.keep))
     neural.settle = recording_settle
     out = run_to_completion(engine, jobs + [sampled])
     assert {rid: out[rid] for rid, _, _ in jobs} == base
@@ -259,6 +262,7 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
     assert probes and all(len(s) == 2 for s in probes)
     assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
     assert idle_backlogs and max(idle_backlogs) < 2 * 3  # a skipped drafter holds a window, not the history
+    assert kept and max(kept) == PROBE_CANDIDATES * NEURAL_PROBE_ROWS < 7  # and only for the next probes' rows
 
 
 def test_a_batch_larger_than_a_probe_keeps_only_a_window_of_its_first_prompts():

@@ -183,12 +183,13 @@ def test_neural_backlog_waits_for_a_draft_and_follows_a_move():
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["commit", "settle", "idle", "draft"])),
+@given(ops=st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["commit", "settle", "idle", "drop", "draft"])),
                     min_size=1, max_size=60))
 def test_the_feature_ring_hands_the_drafter_each_position_with_its_next_token(ops):
-    """Whatever the mix of commits, flushes, idle cuts and wrap-arounds of the (small) ring, every
-    append since a cache reset is the next run of consecutive positions, each with its own features
-    and the token after it, and a draft appends everything paired so far."""
+    """Whatever the mix of commits, flushes, idle cuts, idle spells outside ``keep`` (no context kept)
+    and wrap-arounds of the (small) ring, every append since a cache reset is the next run of
+    consecutive positions, each with its own features and the token after it, and a draft appends
+    everything paired so far."""
     target = make_tiny_target()
     drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
     F = drafter.fc.in_features
@@ -209,11 +210,12 @@ def test_the_feature_ring_hands_the_drafter_each_position_with_its_next_token(op
             new = [3 + (7 * k) % 50 for k in range(len(seq), len(seq) + n)]
             prop.commit(0, new)
             seq += new
-        elif op in ("settle", "idle"):
-            prop.idle = op == "idle"
+        elif op in ("settle", "idle", "drop"):
+            prop.idle = op != "settle"
+            prop.keep = frozenset() if op == "drop" else None
             prop.settle([0])
             assert prop.backlog_tokens(0) < max(prop.max_backlog_tokens, 2 * prop.idle_context_tokens)
-        else:
+        elif prop.has_context(0):  # the engine drafts only a row with some context
             prop.propose([0], torch.zeros(1))
             assert prop.backlog_tokens(0) == 0
     expect = None
@@ -244,6 +246,34 @@ def test_an_idle_proposer_writes_only_the_window_of_a_long_prompt():
     prop.runner.append = lambda rows: seen.extend(r[1][:, 0].long().tolist() for r in rows)
     prop._flush([0])
     assert seen == [list(range(399 - prop.idle_context_tokens, 399))]  # position 399 awaits its next token
+
+
+def test_an_idle_proposer_keeps_no_context_for_a_slot_outside_keep():
+    """While idle, a slot outside ``keep`` writes nothing to the ring and drops its drafter cache, so
+    it has no context to draft from; back in ``keep`` it builds a window from its new positions only."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    F = drafter.fc.in_features
+    prop = NeuralProposer(drafter, 2)
+    for slot in (0, 1):
+        prop.reset(slot, [3, 4, 5, 6])
+    prop.commit_many([0, 1], [[], []], torch.arange(8).float().view(2, 4, 1).expand(2, 4, F), [4, 4])
+    prop.propose([0, 1], torch.zeros(2))  # both prompts in the drafter's cache
+    prop.idle, prop.keep = True, frozenset({1})
+    writes = []
+    store = prop._store
+    prop._store = lambda features, entries: (writes.extend(st.row for _, st, _, _ in entries), store(features, entries))
+    prop.commit_many([0, 1], [[7, 8], [7, 8]], torch.arange(4).float().view(2, 2, 1).expand(2, 2, F), [2, 2])
+    assert writes == [prop._slots[1].row]  # the slot outside keep wrote nothing
+    prop.settle([0, 1])
+    assert not prop.has_context(0) and prop.backlog_tokens(0) == 0 and prop.has_context(1)
+    prop.keep = frozenset({0, 1})  # slot 0 is a probe candidate again: its window starts at its next position
+    prop.commit_many([0], [[9, 10]], torch.tensor([40.0, 41.0]).view(1, 2, 1).expand(1, 2, F), [2])
+    assert prop.has_context(0) and prop.backlog_tokens(0) == 1  # position 7 awaits its next token
+    seen = []
+    prop.runner.append = lambda rows: seen.extend(r[1][:, 0].long().tolist() for r in rows)
+    prop._flush([0])
+    assert seen == [[40]] and int(prop.runner.cache.lengths[0]) == 0  # reset, then the one new position
 
 
 def test_a_ring_grown_for_a_long_prompt_is_dropped_with_the_last_slot():
