@@ -789,7 +789,7 @@ TARGET_DTYPES = ("float32", "bfloat16")  # load_engine(dtype=...)
 NEURAL_PROBE_ROWS = 2
 NEURAL_PROBE_GROWTH = 4.0
 # While the neural gate skips, the requests of this many coming probes keep a context window; the others' features
-# are not stored at all (at 64 rows, storing every row's features each step cost about as much as a suffix lookup)
+# are not stored at all: per-row host work each step for context that no coming probe would read
 PROBE_CANDIDATES = 2
 # The share of a run the neural gate may spend probing a drafter that does not pay, beside the suffix proposer
 # (alone: DraftGate's default). The suffix proposer drafts the predictable stretches a probe looks for, so a fifth
