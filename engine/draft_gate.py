@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 
 from .sps import SpsTable
 
-__all__ = ["DraftGate", "gated_rows"]
+__all__ = ["DraftGate", "gated_rows", "least_recent"]
 
 
 class DraftGate:
@@ -217,4 +217,10 @@ def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[i
     n = gate.rows_to_draft(len(rows), batch_rows)
     if n == len(rows):
         return rows
-    return sorted(sorted(rows, key=lambda i: last_drafted[i])[:n])
+    return sorted(least_recent(rows, last_drafted, n))
+
+
+def least_recent(rows: Sequence[int], last_drafted: Sequence[int], n: int) -> list[int]:
+    """The ``n`` rows of ``rows`` that drafted least recently (``last_drafted[i]``), ties by their order
+    in ``rows``: the rows a probe drafts, in the order it picks them."""
+    return sorted(rows, key=lambda i: last_drafted[i])[:n]

@@ -47,7 +47,7 @@ from dspark.plugins import coupled, ops
 from dspark.plugins import reference as verify_ref
 
 from .api import OutputCallback, RequestOutput, RequestValidationError, SamplingParams
-from .draft_gate import DraftGate, gated_rows
+from .draft_gate import DraftGate, gated_rows, least_recent
 from .proposers import (DraftBatch, EngineStats, NeuralProposer, Proposer, SuffixConfig, SuffixProposer,
                         build_proposer)
 from .proposers.registry import PROPOSERS
@@ -361,7 +361,8 @@ class SpecEngine:
         self.neural.keep = None
         if idle:
             live = [r for r in self._active if not r.finished]
-            oldest = sorted(range(len(live)), key=lambda i: live[i].last_drafted)[:PROBE_CANDIDATES * NEURAL_PROBE_ROWS]
+            n = PROBE_CANDIDATES * NEURAL_PROBE_ROWS
+            oldest = least_recent(range(len(live)), [r.last_drafted for r in live], n)
             self.neural.keep = frozenset(live[i].slot for i in oldest)
 
     def _prefill_chunks(self, reqs: list[_Request]) -> list[tuple[_Request, int]]:
