@@ -264,12 +264,17 @@ def drive(prompts: Sequence[Sequence[int]], concurrency: int, submit: Callable[[
 
 
 def lockstep(drives: Sequence[Drive]) -> None:
-    """Advance every unfinished drive by one step in turn until all are done."""
+    """Advance every unfinished drive by one step in turn until all are done, the turn's first drive
+    rotating from one turn to the next: a step that runs right after another system's (its caches
+    evicted, its allocator's state) falls on every system alike, not always on the same one."""
     live = [d for d in drives if not d.done]
+    turn = 0
     while live:
-        for d in live:
+        first = turn % len(live)
+        for d in live[first:] + live[:first]:
             d.advance()
         live = [d for d in live if not d.done]
+        turn += 1
 
 
 # -- why a row is as fast as it is -------------------------------------------------------------------------

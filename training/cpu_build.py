@@ -5,17 +5,28 @@ stack) are C++ compiled with ``-O3 -march=native`` by ``torch.utils.cpp_extensio
 once per process, cached on disk under torch's extensions directory, the build's name keyed
 by the CPU's feature flags (a ``-march=native`` build belongs to one kind of CPU). Where a
 build fails (no compiler, no headers) the caller's fallback runs and the log says why, once.
+
+A build killed midway (Ctrl-C, a timeout) leaves torch's ``lock`` file in the build directory,
+and torch then waits for it forever: every later process that needs the extension hangs
+without a word. So builds of one extension are serialised by an ``fcntl`` lock of our own,
+which the kernel releases when its holder dies; whoever holds it knows that a ``lock`` file
+left in the directory belongs to a dead build, and removes it before building.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
+import sys
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cpu_tag", "CpuExtension"]
+__all__ = ["cpu_tag", "CpuExtension", "build_directory", "exclusive_build"]
 
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -28,6 +39,38 @@ def cpu_tag() -> str:
     except OSError:
         flags = ""
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds and caches extension ``name``: ``$TORCH_EXTENSIONS_DIR/name``, else
+    ``<torch's default root>/py<version>_<cpu|cuXYZ>/name`` (torch's own layout, so builds made
+    before are found)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        root = os.path.join(get_default_build_root(),
+                            f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{accel}")
+    return Path(root) / name
+
+
+@contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold the build of ``directory`` alone (an ``fcntl`` lock, released if this process dies);
+    a torch ``lock`` file found there on entry was left by a build that died, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.build-lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("%s: removing the lock of a build that did not finish", directory)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class CpuExtension:
@@ -61,8 +104,12 @@ class CpuExtension:
     def _build(self) -> object:
         try:
             from torch.utils.cpp_extension import load_inline
-            loaded = load_inline(name=f"{self.name}_{cpu_tag()}", cpp_sources=self.sources(), functions=None,
-                                 extra_cflags=FLAGS, is_python_module=self.python_module, verbose=False)
+            name = f"{self.name}_{cpu_tag()}"
+            directory = build_directory(name)
+            with exclusive_build(directory):
+                loaded = load_inline(name=name, cpp_sources=self.sources(), functions=None, extra_cflags=FLAGS,
+                                     is_python_module=self.python_module, verbose=False,
+                                     build_directory=str(directory))
         except Exception as exc:  # no compiler, no headers
             log.warning("%s could not be built (%s): %s", self.name, exc, self.fallback)
             return None

@@ -208,6 +208,22 @@ def test_lockstep_times_each_drive_by_its_own_steps_only():
     assert len(r["gaps_ms"]) == 4 and max(r["gaps_ms"]) < 30.0
 
 
+def test_lockstep_rotates_which_drive_steps_first():
+    """Each turn starts with the next drive, so no system always steps right after the same other one."""
+    order: list[str] = []
+
+    def make(name: str, steps: int) -> Drive:
+        left = {"n": steps}
+
+        def step():
+            order.append(name)
+            left["n"] -= 1
+            return [f"{name}-0"] if left["n"] == 0 else []
+        return Drive([[1]], 1, lambda rid, i: None, step, lambda: left["n"] > 0, Recorder(), name)
+    lockstep([make("a", 4), make("b", 4), make("c", 2)])
+    assert order == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
+
+
 def test_run_order_by_level_puts_a_levels_systems_back_to_back_and_rotates_them():
     levels = plan_levels([1, 4], [0.0], 3, 256, 128, 1.0)
     plan = run_order(["a", "b", "c"], levels, rounds=2, by_level=True, few=["c"], few_rounds=1)
