@@ -21,8 +21,8 @@ starts empty, or with ``--history N``: holding the outputs of N earlier requests
 no level uses, each eval set's last ones, the same whatever the levels take; the steady state
 of a server that has served them), ``--rounds`` rounds in
 rotating order (``run_order``). By default (``--order lockstep``) our systems run a level in
-one process on one loaded target, one engine step of each in turn (``lockstep``), each timed
-by its own steps only: the host's speed drifts by tens of percent over seconds to minutes,
+one process on one loaded target, one engine step of each in turn, the first of the turn
+rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of percent over seconds to minutes,
 and lockstep puts the same drift on both sides of our same-round ratios. Each peer runs a
 level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
