@@ -22,9 +22,9 @@ no level uses, each eval set's last ones, the same whatever the levels take; the
 of a server that has served them), ``--rounds`` rounds in
 rotating order (``run_order``). By default (``--order lockstep``) our systems run a level in
 one process on one loaded target, one engine step of each in turn, the first of the turn
-rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of percent over seconds to minutes,
-and lockstep puts the same drift on both sides of our same-round ratios. Each peer runs a
-level in a process of its own, right before or after ours. ``--order levels`` gives every
+rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of
+percent over seconds to minutes, and lockstep puts the same drift on both sides of our
+same-round ratios. Each peer runs a level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,

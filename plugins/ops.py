@@ -93,15 +93,21 @@ def load_extension(verbose: bool = False) -> bool:
         try:
             from torch.utils.cpp_extension import load
 
-            load(
-                name=f"dspark_verify_ext_{_sources_digest()}",
-                sources=[str(CSRC / s) for s in SOURCES],
-                extra_include_paths=[str(CSRC)],
-                extra_cflags=["-O3", *kernel_define_flags()],
-                extra_cuda_cflags=["-O3", *kernel_define_flags(), *_arch_flags()],
-                is_python_module=False,
-                verbose=verbose,
-            )
+            from .build_lock import build_directory, exclusive_build
+
+            name = f"dspark_verify_ext_{_sources_digest()}"
+            directory = build_directory(name)
+            with exclusive_build(directory):
+                load(
+                    name=name,
+                    build_directory=str(directory),
+                    sources=[str(CSRC / s) for s in SOURCES],
+                    extra_include_paths=[str(CSRC)],
+                    extra_cflags=["-O3", *kernel_define_flags()],
+                    extra_cuda_cflags=["-O3", *kernel_define_flags(), *_arch_flags()],
+                    is_python_module=False,
+                    verbose=verbose,
+                )
             _state["loaded"] = True
             log.info("dspark CUDA extension loaded (%s)", ", ".join(SOURCES))
             return True

@@ -6,27 +6,21 @@ once per process, cached on disk under torch's extensions directory, the build's
 by the CPU's feature flags (a ``-march=native`` build belongs to one kind of CPU). Where a
 build fails (no compiler, no headers) the caller's fallback runs and the log says why, once.
 
-A build killed midway (Ctrl-C, a timeout) leaves torch's ``lock`` file in the build directory,
-and torch then waits for it forever: every later process that needs the extension hangs
-without a word. So builds of one extension are serialised by an ``fcntl`` lock of our own,
-which the kernel releases when its holder dies; whoever holds it knows that a ``lock`` file
-left in the directory belongs to a dead build, and removes it before building.
+A build killed midway does not hang later processes: builds run under
+``plugins/build_lock.exclusive_build``.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
-import os
-import sys
 import threading
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from dspark.plugins.build_lock import build_directory, exclusive_build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cpu_tag", "CpuExtension", "build_directory", "exclusive_build"]
+__all__ = ["cpu_tag", "CpuExtension"]
 
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -39,38 +33,6 @@ def cpu_tag() -> str:
     except OSError:
         flags = ""
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
-
-
-def build_directory(name: str) -> Path:
-    """Where torch builds and caches extension ``name``: ``$TORCH_EXTENSIONS_DIR/name``, else
-    ``<torch's default root>/py<version>_<cpu|cuXYZ>/name`` (torch's own layout, so builds made
-    before are found)."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        root = os.path.join(get_default_build_root(),
-                            f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_{accel}")
-    return Path(root) / name
-
-
-@contextmanager
-def exclusive_build(directory: Path) -> Iterator[None]:
-    """Hold the build of ``directory`` alone (an ``fcntl`` lock, released if this process dies);
-    a torch ``lock`` file found there on entry was left by a build that died, and is removed."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.build-lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = directory / "lock"
-            if stale.exists():
-                log.warning("%s: removing the lock of a build that did not finish", directory)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class CpuExtension:

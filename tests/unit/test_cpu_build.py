@@ -1,6 +1,7 @@
 """C++ extension builds: a build killed midway must not hang every later process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.training.cpu_build import build_directory, exclusive_build
+from dspark.plugins.build_lock import build_directory, exclusive_build
 
 
 def test_build_directory_follows_torch_extensions_dir(tmp_path, monkeypatch):
@@ -32,7 +33,7 @@ def test_exclusive_build_keeps_a_second_builder_waiting_until_the_first_is_done(
     done = tmp_path / "second-built"
     child = textwrap.dedent(f"""
         from pathlib import Path
-        from dspark.training.cpu_build import exclusive_build
+        from dspark.plugins.build_lock import exclusive_build
         with exclusive_build(Path({str(directory)!r})):
             Path({str(done)!r}).write_text("yes")
     """)
@@ -48,7 +49,8 @@ def test_an_extension_builds_past_the_lock_of_a_killed_build(tmp_path):
     """torch waits forever on a ``lock`` file left in the build directory; ours is removed first.
     The build runs in a child process with a timeout, so a regression fails instead of hanging."""
     child = textwrap.dedent("""
-        from dspark.training.cpu_build import CpuExtension, build_directory, cpu_tag
+        from dspark.plugins.build_lock import build_directory
+        from dspark.training.cpu_build import CpuExtension, cpu_tag
         ext = CpuExtension("dspark_lock_probe", lambda: "int answer() { return 42; }\\n"
                            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\\"answer\\", &answer); }",
                            fallback="none", python_module=True)
@@ -57,7 +59,7 @@ def test_an_extension_builds_past_the_lock_of_a_killed_build(tmp_path):
         (d / "lock").write_text("")  # what a build killed midway leaves
         print(ext.load().answer())
     """)
-    env = {**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "42"
