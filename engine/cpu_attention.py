@@ -8,7 +8,7 @@ really read: a long request in the batch does not make every other row pay its c
 (as masked attention over a [rows, longest row] grid would), and no [rows, queries,
 context] mask is built and converted on each step.
 
-The kernel is built on first use (``training/cpu_build.py``: once per machine, cached on
+The kernel is built on first use (``plugins/cpu_build.py``: once per machine, cached on
 disk) and registered as ``torch.ops.dspark.varlen_attention``, with a fake kernel, so
 ``torch.compile`` keeps it inside a compiled graph. ``available()`` says whether it could
 be built; the engine then uses ``scaled_dot_product_attention`` and says so in its log.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.training.cpu_build import CpuExtension
+from dspark.plugins.cpu_build import CpuExtension
 
 __all__ = ["available", "varlen_attention", "reference", "KERNEL_SOURCE"]
 
@@ -123,7 +123,7 @@ _EXTENSION = CpuExtension("dspark_varlen_attention", lambda: KERNEL_SOURCE + _OP
 
 
 def available() -> bool:
-    """Build the kernel on first use (``training/cpu_build.py``); False where it cannot be built."""
+    """Build the kernel on first use (``plugins/cpu_build.py``); False where it cannot be built."""
     return _EXTENSION.load() is not None
 
 

@@ -12,7 +12,7 @@ attention of ``cpu_attention``, with the arithmetic of the Python layer
 agree to float32 rounding of the reductions (norm means, softmax sums), which the tests
 check along with identical greedy decoding.
 
-Built on first use like the kernels it includes (``training/cpu_build.py``);
+Built on first use like the kernels it includes (``plugins/cpu_build.py``);
 ``available()`` says whether it built. ``supports(target)`` says whether a target's layers
 have the shape this stack computes (Llama-family attention, SiLU-gated MLP, float32 on the
 CPU); the runner keeps its Python layer for every other case.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from dspark.training import cpu_gemm, cpu_linear
-from dspark.training.cpu_build import CpuExtension
+from dspark.plugins.cpu_build import CpuExtension
 
 from . import cpu_attention
 
@@ -204,7 +204,7 @@ _EXTENSION = CpuExtension("dspark_decoder_stack",
 
 
 def available() -> bool:
-    """Build the stack on first use (``training/cpu_build.py``); False where it or the kernels
+    """Build the stack on first use (``plugins/cpu_build.py``); False where it or the kernels
     it includes cannot be built."""
     return cpu_gemm.available() and cpu_attention.available() and _EXTENSION.load() is not None
 

@@ -5,7 +5,7 @@ and torch then waits for it forever: every later process that needs the extensio
 without a word. So builds of one extension are serialised by an ``fcntl`` lock of our own,
 which the kernel releases when its holder dies; whoever holds it knows that a ``lock`` file
 left in the directory belongs to a dead build, and removes it before building. Used by the
-CPU kernels (``training/cpu_build.py``) and the CUDA plugin (``plugins/ops.py``).
+CPU kernels (``plugins/cpu_build.py``) and the CUDA plugin (``plugins/ops.py``).
 """
 from __future__ import annotations
 

@@ -32,7 +32,9 @@ with a mixed token id, mixed again; its low 31 bits give ``w`` uniform in (0, 1)
 exact to float32 precision. All integer work is int32 with wrap-around multiplication
 (``test_seeded_sampling`` pins it to the same hash in Python integers), vectorised over rows
 and tokens, on any device; rows are processed in chunks so the noise never occupies more
-than a few MiB.
+than a few MiB. On the CPU a race over whole rows runs as one kernel (``cpu_choice.py``), which
+takes the logarithm of a few columns per row rather than all of them; greedy cells take their
+argmax there too.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from typing import ClassVar
 
 import torch
 
+from . import cpu_choice
 from .reference import VerifyResult, check_verify_shapes, process_logits
 
 __all__ = ["RACE_CANDIDATES", "RaceNoise", "race_noise", "race_sample", "race_sample_top", "round_key",
@@ -127,6 +130,8 @@ def _race(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None) -> 
     if n == 0:
         return out
     idm = _id_mix(ids, N, probs.device)
+    if probs.device.type == "cpu" and cpu_choice.available():  # one pass per row (cpu_choice.py)
+        return cpu_choice.race_argmax(probs, keys, idm)
     # a few MiB at a time on the CPU (cache-sized); far more per launch on a GPU
     chunk = CHUNK_ELEMENTS if probs.device.type == "cpu" else CHUNK_ELEMENTS * 64
     step = max(1, chunk // max(N, 1))
@@ -212,6 +217,13 @@ class RaceNoise:
         return _race(probs, self.keys_at(k, rows).to(probs.device), ids)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of [n, V], by the CPU kernel where it applies (``cpu_choice.py``)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_choice.available():
+        return cpu_choice.argmax(logits)
+    return logits.argmax(-1)
+
+
 def verify_coupled(
     draft_tokens: torch.Tensor,  # [R, K] int64
     target_logits: torch.Tensor,  # [R, K+1, V] float
@@ -269,15 +281,16 @@ def verify_coupled_packed(
     greedy = (temperature <= 0).to(device)[row]
     flat = torch.empty(N, dtype=torch.long, device=device)
     if bool(greedy.all()):
-        flat = token_logits.argmax(-1)
+        flat = _argmax(token_logits)
     else:
         g = greedy.nonzero(as_tuple=True)[0]
         if g.numel():
-            flat[g] = token_logits[g].argmax(-1)
+            flat[g] = _argmax(token_logits[g])
         s = (~greedy).nonzero(as_tuple=True)[0]
         r_s = row[s]
         r_cpu = r_s.cpu()
-        p = process_logits(token_logits[s], temperature.to(device)[r_s],
+        sampled = token_logits if g.numel() == 0 else token_logits[s]  # all sampled: no copy of the logits
+        p = process_logits(sampled, temperature.to(device)[r_s],
                            None if top_k is None else top_k.to(device)[r_s],
                            None if top_p is None else top_p.to(device)[r_s])
         flat[s] = race_sample(p, seed.cpu()[r_cpu], position.cpu()[r_cpu] + col[s].cpu())

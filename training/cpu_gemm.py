@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_build import CpuExtension
+from dspark.plugins.cpu_build import CpuExtension
 
 __all__ = ["available", "PackedWeight", "pack", "gemm", "KERNEL_SOURCE"]
 

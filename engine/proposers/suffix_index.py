@@ -33,7 +33,7 @@ node can be unlinked in O(1) and its parent's best child recomputed on eviction.
 
 Two implementations of this one structure: ``SuffixIndex`` below (Python, the reference) and
 ``SuffixTrie`` in ``suffix_trie.cpp`` (C++, built on first use like the kit's CPU kernels,
-``training/cpu_build.py``). They give the same node ids, counts, links, best children and
+``plugins/cpu_build.py``). They give the same node ids, counts, links, best children and
 versions for the same calls, and the tests hold both to the same brute-force checks; the
 engine takes the C++ one (``new_suffix_index``) because indexing every committed token in
 Python costs 20-40 microseconds per token (4-6 in C++), 1-2% of a 64-row step on a 2-core CPU.
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dspark.training.cpu_build import CpuExtension
+from dspark.plugins.cpu_build import CpuExtension
 
 __all__ = ["SuffixIndex", "ROOT", "new_suffix_index", "native_available"]
 

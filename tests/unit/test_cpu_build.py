@@ -50,7 +50,7 @@ def test_an_extension_builds_past_the_lock_of_a_killed_build(tmp_path):
     The build runs in a child process with a timeout, so a regression fails instead of hanging."""
     child = textwrap.dedent("""
         from dspark.plugins.build_lock import build_directory
-        from dspark.training.cpu_build import CpuExtension, cpu_tag
+        from dspark.plugins.cpu_build import CpuExtension, cpu_tag
         ext = CpuExtension("dspark_lock_probe", lambda: "int answer() { return 42; }\\n"
                            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\\"answer\\", &answer); }",
                            fallback="none", python_module=True)

@@ -7,7 +7,7 @@ by the CPU's feature flags (a ``-march=native`` build belongs to one kind of CPU
 build fails (no compiler, no headers) the caller's fallback runs and the log says why, once.
 
 A build killed midway does not hang later processes: builds run under
-``plugins/build_lock.exclusive_build``.
+``build_lock.exclusive_build``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Callable
 
-from dspark.plugins.build_lock import build_directory, exclusive_build
+from .build_lock import build_directory, exclusive_build
 
 log = logging.getLogger(__name__)
 
