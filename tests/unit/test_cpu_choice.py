@@ -1,11 +1,15 @@
 """The CPU choice kernels (plugins/cpu_choice.py) pick what torch picks: the argmax and the race's winner."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from dspark.plugins import coupled, cpu_choice
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not cpu_choice.available(), reason="no C++ toolchain for the CPU choice kernels")
 
 
@@ -93,3 +97,16 @@ def test_greedy_cells_of_the_packed_rule_use_the_kernel_and_agree_with_torch(mon
     want = coupled.verify_coupled_packed(drafts, logits, lens, temps, seed=torch.tensor([1, 2, 3]))
     assert torch.equal(got.output_tokens, want.output_tokens)
     assert torch.equal(got.num_accepted, want.num_accepted)
+
+
+def test_the_benchmark_compares_both_sides_on_the_same_tokens_and_writes_its_tables(tmp_path):
+    spec = importlib.util.spec_from_file_location("_bench_cpu_choice", ROOT / "scripts" / "bench_cpu_choice.py")
+    bench_cpu_choice = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cpu_choice)
+    records = bench_cpu_choice.run([(2, 1, 1.0), (2, 0, 0.0)], rounds=2, iters=1)
+    assert [r["same_tokens"] for r in records] == [True, True]
+    assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 and r["speedup"] > 0 for r in records)
+    bench_cpu_choice.write(records, tmp_path, 2, "python scripts/bench_cpu_choice.py")
+    md = (tmp_path / "cpu_choice.md").read_text()
+    assert "| 2 | 1 | 1 |" in md and "| 2 | 0 | 0 |" in md
+    assert (tmp_path / "cpu_choice.json").exists()
