@@ -109,7 +109,7 @@ class DecoderStack {
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
       at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kcache,
       const at::Tensor& vcache, const at::Tensor& dest, const at::Tensor& rows, const at::Tensor& apos,
-      int64_t limit) {
+      int64_t limit, int64_t block) {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat, "DecoderStack: h [N, d] float32");
     TORCH_CHECK(kcache.size(0) == static_cast<int64_t>(layers_.size()), "DecoderStack: one cache per layer");
     const at::Tensor c = cos.contiguous(), s = sin.contiguous();
@@ -141,7 +141,7 @@ class DecoderStack {
       }
       {
         RECORD_FUNCTION("dspark_stack::attention", std::vector<c10::IValue>());
-        o = varlen_attention(q, kc, vc, rows, apos, scale_, limit).view({N, hq_ * hd_});
+        o = varlen_attention(q, kc, vc, rows, apos, scale_, limit, block).view({N, hq_ * hd_});
       }
       {
         RECORD_FUNCTION("dspark_stack::o_proj", std::vector<c10::IValue>());
@@ -259,12 +259,12 @@ class DecoderStack:
                                                   cpu_linear.mode() == "kernel")
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                dest: torch.Tensor, rows: torch.Tensor, apos: torch.Tensor,
-                limit: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                dest: torch.Tensor, rows: torch.Tensor, apos: torch.Tensor, limit: int,
+                block: int = cpu_attention.BLOCK) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``h [N, d]`` through every layer -> (h after the last, h after each captured layer).
 
         ``cos, sin [N, head_dim]``; ``k, v`` the runner's caches ``[L, slots, kv heads, C,
         head_dim]``; ``dest [N * kv heads]`` each token's cache rows in one layer's cache seen
         as ``[slots * kv heads * C, head_dim]``; ``rows, apos [N]`` each token's slot and the
-        last position it attends."""
-        return self._stack.forward(h, cos, sin, k, v, dest, rows, apos, int(limit))
+        last position it attends; ``block`` as in ``cpu_attention.varlen_attention``."""
+        return self._stack.forward(h, cos, sin, k, v, dest, rows, apos, int(limit), int(block))

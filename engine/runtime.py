@@ -51,7 +51,7 @@ from .draft_gate import DraftGate, gated_rows, least_recent
 from .proposers import (DraftBatch, EngineStats, NeuralProposer, Proposer, SuffixConfig, SuffixProposer,
                         build_proposer)
 from .proposers.registry import PROPOSERS
-from .scheduler import make_scheduler
+from .scheduler import SPS_SCHEDULERS, make_scheduler
 from .sps import SpsTable
 from .static_target import with_static_steps
 from .target_runner import TargetRunner
@@ -67,7 +67,7 @@ class EngineConfig:
     proposers: str = "neural"
     suffix: SuffixConfig = field(default_factory=lambda: SuffixConfig(max_drafts=3))  # the suffix proposer's settings
     suffix_sts: tuple[float, ...] | None = None  # STS temperatures of the suffix confidences (None: raw)
-    scheduler: str = "fixed"  # fixed | threshold | algorithm1 | async
+    scheduler: str = "fixed"  # fixed | threshold | algorithm1 | no_slowdown | async (engine/scheduler.py)
     threshold: float = 0.3  # for the static threshold policy
     max_batch: int = 64
     max_context: int = 2048
@@ -167,15 +167,16 @@ class SpecEngine:
         self._fused = self.cfg.fused_prefill and isinstance(self.runner, TargetRunner) and self.runner.varlen
         has_conf = self.suffix is not None or (self.neural is not None and self.neural.has_confidence)
         sched = self.cfg.scheduler if has_conf else "fixed"
-        if sched in ("algorithm1", "async") and sps is None:
+        if sched in SPS_SCHEDULERS and sps is None:
             raise ValueError(f"scheduler {sched!r} needs an SPS table (dspark profile)")
-        kwargs = {"sps": sps} if sched in ("algorithm1", "async") else {}
+        kwargs = {"sps": sps} if sched in SPS_SCHEDULERS else {}
         if sched == "threshold":
             kwargs = {"threshold": self.cfg.threshold}
         self.policy = make_scheduler(sched, **kwargs)
         self.gate = self._make_gate(sps, sched)
         self.suffix_gate = self._make_suffix_gate(sps, sched)
         self._suffix_looked: list[int] = []  # rows of this step's batch whose suffix lookups ran
+        self._scheduled = False  # whether the policy chose this step's verify lengths
         self.verify = ops.verify  # the CUDA kernel for CUDA tensors, the reference otherwise
         self.device = self.runner.device
         self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
@@ -195,7 +196,7 @@ class SpecEngine:
 
     def _make_gate(self, sps, sched: str) -> DraftGate | None:
         """The cost-aware gate over the neural pass, with the hardware-aware schedulers and a known drafter cost."""
-        if not (self.cfg.adaptive_drafting and self.neural is not None and sched in ("algorithm1", "async")):
+        if not (self.cfg.adaptive_drafting and self.neural is not None and sched in SPS_SCHEDULERS):
             return None
         cost = self.neural.cost()
         if not (isinstance(sps, SpsTable) and cost.known):
@@ -212,7 +213,7 @@ class SpecEngine:
         the lookups stop too. One imaginary empty row of prior (a wrong lookup costs only host time),
         and lookups costing under 2% of a plain step always run (a small batch: skipping them can
         save little, while a skip that misses a match forgoes whole drafts)."""
-        if not (self.cfg.adaptive_drafting and self.suffix is not None and sched in ("algorithm1", "async")
+        if not (self.cfg.adaptive_drafting and self.suffix is not None and sched in SPS_SCHEDULERS
                 and isinstance(sps, SpsTable)):
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=self.suffix.cost().seconds,
@@ -524,7 +525,8 @@ class SpecEngine:
         """Verify lengths [R]: the policy over the whole batch (its token count sets the step's
         cost), each row capped by its drafts and by its request's room."""
         R = len(reqs)
-        if batch.width == 0:
+        self._scheduled = batch.width > 0
+        if not self._scheduled:
             return torch.zeros(R, dtype=torch.long)
         cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
         return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs]).cpu()
@@ -550,6 +552,8 @@ class SpecEngine:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
         # host lists up front: indexing a tensor per row costs microseconds, times 64 rows per step
         n_acc = res.num_accepted.cpu().tolist()
+        if self._scheduled:  # the policy chose this step's lengths: tell it what they won
+            self.policy.observe([r.rid for r in reqs], n_acc)
         lens_l = lens.tolist()
         has = [n > 0 for n in batch.lens.cpu().tolist()]
         if self.gate is not None and self.neural is not None:
@@ -770,7 +774,7 @@ def load_engine(engine_dir: str | None = None, mode: str = "spec", scheduler: st
         if meta.get("sts"):
             from .sts import StsCalibration
             sts = StsCalibration.load(root / meta["sts"]).temperatures
-    if scheduler in ("algorithm1", "async") and sps is None:
+    if scheduler in SPS_SCHEDULERS and sps is None:
         log.warning("no SPS table in %s: falling back to fixed-length verification", engine_dir)
         scheduler = "fixed"
     cfg = EngineConfig(mode=mode, scheduler=scheduler, max_batch=max_batch, max_context=max_context,

@@ -11,12 +11,14 @@ verify step (``dspark.plugins.reference.verify``) then ignores drafts past ``l``
   descending ``a``; each adds one batch token and ``a[r, j]`` expected accepts; the walk
   keeps going while ``Theta = tau * SPS(B)`` strictly improves and stops at the first
   candidate that does not improve it.
+- ``NoSlowdownScheduler(sps)``: Algorithm 1 under a per-request guard: drafts are verified
+  only while no request of the batch falls more than a step behind decoding without them.
 - ``AsyncScheduler(sps)``: the report's production variant (Section 5.2). The total number
   of draft tokens to verify (the capacity, the K of a top-K) is found by an unconstrained
   global search of Theta over the confidences of two steps earlier; this step's candidates
   are ranked by their current ``a`` and the top ``capacity`` are admitted.
 
-Registry names (``make_scheduler``): ``fixed``, ``threshold``, ``algorithm1``, ``async``.
+Registry names (``make_scheduler``): ``fixed``, ``threshold``, ``algorithm1``, ``no_slowdown``, ``async``.
 
 Why these are lossless. Drafts are ``x_0..x_{K-1}``. Speculative sampling stays exact when
 the decision to verify draft ``x_j`` is made without looking at ``x_j`` itself (it may
@@ -54,7 +56,7 @@ import torch
 
 from dspark.engine.sps import SpsTable
 from dspark.plugins import ops
-from dspark.plugins.reference import prefix_survival, schedule_prefix
+from dspark.plugins.reference import prefix_survival, ranked_candidates, schedule_prefix
 
 __all__ = [
     "VerifyLengthPolicy",
@@ -62,8 +64,12 @@ __all__ = [
     "StaticThreshold",
     "Algorithm1Scheduler",
     "AsyncScheduler",
+    "NoSlowdownScheduler",
+    "guarded_schedule_prefix",
+    "step_time",
     "UnknownSchedulerError",
     "SCHEDULERS",
+    "SPS_SCHEDULERS",
     "make_scheduler",
     "expected_throughput",
     "top_capacity_lens",
@@ -160,6 +166,9 @@ class VerifyLengthPolicy(ABC):
     def reset(self) -> None:
         """Forget any state (e.g. between benchmark runs). Stateless policies do nothing."""
 
+    def observe(self, request_ids: Sequence[str], accepted: Sequence[int]) -> None:
+        """The outcome of the step just scheduled: accepted drafts per row. Most policies ignore it."""
+
 
 class FixedLength(VerifyLengthPolicy):
     """Always verify ``min(k, K, max_lens[r])`` drafts (``k=None``: all K)."""
@@ -207,6 +216,114 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
     def _lens(self, confidence, cap, request_ids):
         device = confidence.device
         return ops.schedule_prefix(confidence, self.sps.to(device), cap.to(device), early_stop=True)
+
+
+def step_time(sps: torch.Tensor, tokens: int) -> float:
+    """Seconds of a step of ``tokens`` batch tokens by the SPS table (inf past its end)."""
+    rate = float(sps[tokens]) if tokens < sps.numel() else 0.0
+    return 1.0 / rate if rate > 0 else float("inf")
+
+
+def guarded_schedule_prefix(confidence: torch.Tensor, sps: torch.Tensor, cap: torch.Tensor,
+                            slack: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 with the early stop, under a per-row time budget -> verify lengths [R].
+
+    The walk visits Algorithm 1's candidates in its order and admits one while ``Theta``
+    strictly improves *and* the step's extra time over a step of the R rows alone, ``t(B) -
+    t(R)`` (``t = step_time``), stays within every row's ``slack[r]`` (seconds), each row's
+    slack growing by ``a * t(R)`` for each of its own admitted drafts (the time they are
+    expected to save it). It stops at the first candidate failing either test, so, as in
+    Algorithm 1, the decision about draft j rests on confidences that do not depend on ``x_j``.
+    """
+    R = confidence.shape[0]
+    sps = sps.double().cpu()
+    lens = torch.zeros(R, dtype=torch.long)
+    if R == 0 or R >= sps.numel():
+        return lens
+    t_rows = step_time(sps, R)
+    cand_r, cand_q = ranked_candidates(confidence, cap)
+    room = slack.double().tolist()
+    floor = min(room)
+    sps_l = sps.tolist()
+    batch, tau = R, float(R)
+    best = tau * sps_l[batch]
+    admitted = 0
+    for i, (r, ar) in enumerate(zip(cand_r.tolist(), cand_q.tolist())):
+        batch += 1
+        if batch >= len(sps_l):
+            break
+        tau += ar
+        theta = tau * sps_l[batch]
+        was_floor = room[r] == floor
+        room[r] += ar * t_rows
+        if was_floor:
+            floor = min(room)
+        if not (theta > best and step_time(sps, batch) - t_rows <= floor):
+            break
+        best = theta
+        admitted = i + 1
+    return torch.bincount(cand_r[:admitted], minlength=R)
+
+
+class NoSlowdownScheduler(VerifyLengthPolicy):
+    """Algorithm 1 under a per-request guard: no request falls more than ``max_debt`` steps
+    behind where it would be decoding without drafts.
+
+    In a batch, one request's drafts lengthen every request's step. Algorithm 1 maximises the
+    batch's tokens per second, so a request whose drafts rarely survive (chat beside math) can
+    decode slower than without speculation while the batch as a whole decodes faster. This
+    policy keeps a credit per request id, in seconds against plain one-token steps of the same
+    rows: each verified step adds ``accepted * t(R)`` (the steps its accepted drafts saved it)
+    and subtracts ``t(B) - t(R)`` (what the step's drafts, anyone's, cost it), both from the
+    SPS table, so the same history gives the same lengths. A step verifies drafts only within
+    every request's credit plus ``max_debt * t(R)`` (``guarded_schedule_prefix``): a request
+    that gains spends its gains on the others' drafts, one that does not stops them once it is
+    ``max_debt`` steps behind, until it gains. With one request the guard binds only after its
+    own drafts lost, and then for the next ``max_debt`` steps' worth. Lossless as Algorithm 1
+    is (module docstring): the guard is a stop test on the same visited candidates, and the
+    credits come from rounds already verified.
+
+    The engine reports each step's accepted drafts with ``observe``; ``request_ids`` key the
+    credits, and a request absent from a step has left (its credit is dropped).
+    """
+
+    name = "no_slowdown"
+
+    def __init__(self, sps: SpsLike, max_debt: float = 1.0, max_tokens: int | None = None) -> None:
+        if max_debt < 0:
+            raise ValueError(f"max_debt must be >= 0 (steps), got {max_debt}")
+        self.sps = _as_sps(sps, max_tokens)
+        self.max_debt = float(max_debt)
+        self.credit: dict[str, float] = {}
+        self._pending: tuple[list[str], float, float] | None = None  # ids, t(R), t(B) - t(R) of the last step
+
+    def reset(self) -> None:
+        self.credit.clear()
+        self._pending = None
+
+    def _lens(self, confidence, cap, request_ids):
+        R = confidence.shape[0]
+        ids = [str(i) for i in range(R)] if request_ids is None else [str(r) for r in request_ids]
+        self.credit = {rid: self.credit.get(rid, 0.0) for rid in ids}
+        if R == 0 or R >= self.sps.numel():
+            self._pending = None
+            return torch.zeros(R, dtype=torch.long)
+        t_rows = step_time(self.sps, R)
+        slack = torch.tensor([self.credit[rid] for rid in ids], dtype=torch.float64) + self.max_debt * t_rows
+        lens = guarded_schedule_prefix(confidence, self.sps, cap, slack)
+        self._pending = (ids, t_rows, step_time(self.sps, R + int(lens.sum())) - t_rows)
+        return lens
+
+    def observe(self, request_ids: Sequence[str], accepted: Sequence[int]) -> None:
+        """The last step's accepted drafts per request (the rows of its ``request_ids``)."""
+        if self._pending is None:
+            return
+        ids, t_rows, extra = self._pending
+        self._pending = None
+        if [str(r) for r in request_ids] != ids:
+            raise ValueError("observe() must follow the step it reports, with the same request_ids")
+        for rid, n in zip(ids, accepted):
+            self.credit[rid] += n * t_rows - extra
 
 
 class AsyncScheduler(VerifyLengthPolicy):
@@ -278,8 +395,11 @@ class UnknownSchedulerError(ValueError):
     """``make_scheduler`` was given a name that is not registered."""
 
 
+# the policies that read the SPS table (the hardware-aware ones, built with ``sps=``)
+SPS_SCHEDULERS = ("algorithm1", "no_slowdown", "async")
+
 SCHEDULERS: Mapping[str, type[VerifyLengthPolicy]] = MappingProxyType({
-    cls.name: cls for cls in (FixedLength, StaticThreshold, Algorithm1Scheduler, AsyncScheduler)
+    cls.name: cls for cls in (FixedLength, StaticThreshold, Algorithm1Scheduler, NoSlowdownScheduler, AsyncScheduler)
 })
 
 

@@ -12,6 +12,8 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
   with the SPS table, the drafting gate on;
 - ``ours_suffix``: the suffix proposer (no training), Algorithm 1;
 - ``ours_hybrid``: suffix + neural (``EngineConfig.proposers = "neural+suffix"``);
+- ``ours_hybrid_no_slowdown``: the same under the ``no_slowdown`` scheduler (Algorithm 1 that
+  slows no request down against decoding without drafts, ``engine/scheduler.py``);
 - ``hf_generate`` / ``hf_prompt_lookup``: transformers ``generate()`` on the same weights, plain
   and with ``prompt_lookup_num_tokens`` (static batches; prompt lookup one request at a time);
 - ``vllm_target_only`` / ``vllm_ngram``: vLLM fp32 (optional: where ``import vllm`` works).
@@ -59,13 +61,15 @@ from .sidebyside_report import TASKS, summarise, write_report
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
            "Drive", "drive", "lockstep", "EngineProbe", "build_parser", "main", "run_order"]
 
-SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid", "hf_generate",
-           "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
+SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid",
+           "ours_hybrid_no_slowdown", "hf_generate", "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
 OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_bf16")  # the null proposer; _bf16: a bf16 target
 ALIASES = {"target_only": "ours_target_only", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
            "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
-OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix"}
-NEEDS_DRAFTER = ("ours_spec", "ours_hybrid")
+OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix",
+                  "ours_hybrid_no_slowdown": "neural+suffix"}
+OURS_SCHEDULERS = {"ours_hybrid_no_slowdown": "no_slowdown"}  # the rest: Algorithm 1 (with an SPS table)
+NEEDS_DRAFTER = ("ours_spec", "ours_hybrid", "ours_hybrid_no_slowdown")
 VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 HF_LOOKUP_TOKENS = 3  # transformers' prompt lookup drafts (the same K as our suffix proposer's default)
 SEED_BASE = 1000  # request i of a level samples with seed SEED_BASE + i, in every system
@@ -514,8 +518,8 @@ def worker_ours(systems: Sequence[str], spec: dict,
         if system in OURS_TARGET_ONLY:
             cfg = dataclasses.replace(base, mode="target_only", max_batch=lv.batch)
         else:
-            cfg = dataclasses.replace(base, proposers=OURS_PROPOSERS[system], max_batch=lv.batch,
-                                      scheduler="algorithm1" if sps is not None else "fixed")
+            scheduler = OURS_SCHEDULERS.get(system, "algorithm1") if sps is not None else "fixed"
+            cfg = dataclasses.replace(base, proposers=OURS_PROPOSERS[system], max_batch=lv.batch, scheduler=scheduler)
         target = targets[torch.bfloat16 if system.endswith("_bf16") else torch.float32]
         return SpecEngine(target, drafter if system in NEEDS_DRAFTER else None, cfg, sps=sps, sts_temperatures=sts)
 
@@ -895,7 +899,7 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
     tmp = out_dir / f".{args.name}.worker"
     command = command or " ".join(["python -m dspark.engine.sidebyside", *(argv if argv is not None else sys.argv[1:])])
     history_path = None
-    if args.history > 0 and any(s in ("ours_suffix", "ours_hybrid") for s in systems):
+    if args.history > 0 and any(s in ("ours_suffix", "ours_hybrid", "ours_hybrid_no_slowdown") for s in systems):
         history_path = f"{tmp}.history.json"
         spec = {"systems": ["history"], "history": args.history, "history_tokens": args.history_tokens,
                 "temperatures": sorted({lv.temperature for lv in levels}),

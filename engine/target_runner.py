@@ -128,6 +128,9 @@ class TargetRunner:
         self.lengths = torch.zeros(max_slots, dtype=torch.long)
         self._allocate_cache(min(initial_capacity, max_context))
         self.stack = self._fused_stack(target, layers)
+        # varlen attention: most tokens of one row at consecutive positions that share one read of its
+        # keys (a verify block reads its row's context once; 1: every token reads it itself)
+        self.attention_block = cpu_attention.BLOCK
 
     def _allocate_cache(self, initial_capacity: int) -> None:
         """K/V caches ``[layers, slots, kv heads, capacity, head_dim]``.
@@ -270,7 +273,8 @@ class TargetRunner:
         dest = ((rows.to(self.device).unsqueeze(1) * self.n_kv + heads) * self.capacity
                 + wpos.to(self.device).unsqueeze(1)).reshape(-1)
         if self.stack is not None and mask is None:
-            h, features = self.stack.forward(h, cos, sin, self.k, self.v, dest, rows.to(self.device), apos, total)
+            h, features = self.stack.forward(h, cos, sin, self.k, self.v, dest, rows.to(self.device), apos, total,
+                                             self.attention_block)
             captured = dict(zip(self.layer_ids, features))
         else:
             captured = {}
@@ -327,7 +331,8 @@ class TargetRunner:
         kc.view(-1, self.head_dim).index_copy_(0, dest, k.reshape(-1, self.head_dim))
         vc.view(-1, self.head_dim).index_copy_(0, dest, v.reshape(-1, self.head_dim))
         if mask is None:
-            o = cpu_attention.varlen_attention(q, kc, vc, rows, apos, attn.scaling, total).reshape(N, -1)
+            o = cpu_attention.varlen_attention(q, kc, vc, rows, apos, attn.scaling, total,
+                                               self.attention_block).reshape(N, -1)
         else:
             R = grid.rows
             if gather is None:  # slots 0..R-1: views of the cache

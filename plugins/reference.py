@@ -38,6 +38,7 @@ __all__ = [
     "process_logits",
     "verify",
     "schedule_prefix",
+    "ranked_candidates",
     "prefix_survival",
     "pack_ragged",
     "unpack_ragged",
@@ -210,6 +211,25 @@ def prefix_survival(confidence: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(confidence.double().clamp(0.0, 1.0), dim=-1)
 
 
+def ranked_candidates(confidence: torch.Tensor, max_lens: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1's walk order over ``confidence [R, K]``: the candidates (r, j) with
+    ``a[r, j] > 0`` and ``j < max_lens[r]``, in descending ``a`` (ties: lower r, then lower j,
+    so each request's candidates come in order of j) -> (their rows [C] int64, their ``a``
+    rounded to multiples of ``1 / TAU_GRID`` [C] float64), on the CPU."""
+    R, K = confidence.shape
+    a = prefix_survival(confidence.cpu())  # CPU cumprod: sequential, same bits everywhere
+    cap = torch.full((R,), K, dtype=torch.long) if max_lens is None else max_lens.long().cpu().clamp(0, K)
+    flat = a.flatten()
+    r_idx = torch.arange(R).repeat_interleave(K)
+    j_idx = torch.arange(K).repeat(R)
+    valid = (flat > 0) & (j_idx < cap[r_idx])
+    # stable sort on (-a, r, j): flatten order is already (r, j) ascending
+    order = torch.sort(-flat[valid], stable=True).indices
+    cand_r, cand_a = r_idx[valid][order], flat[valid][order]
+    return cand_r, torch.round(cand_a * TAU_GRID) / TAU_GRID  # exact-sum grid for tau
+
+
 def schedule_prefix(
     confidence: torch.Tensor,  # [R, K] per-position confidences c in [0, 1]
     sps: torch.Tensor,  # [N+1] steps/s indexed by batch tokens B (sps[0] unused); B > N is infeasible
@@ -233,21 +253,12 @@ def schedule_prefix(
     sum is exact and the CUDA kernel's parallel scan gives the same bits.
     """
     R, K = confidence.shape
-    a = prefix_survival(confidence.cpu())  # CPU cumprod: sequential, same bits everywhere
     sps = sps.double().cpu()
-    cap = torch.full((R,), K, dtype=torch.long) if max_lens is None else max_lens.long().cpu().clamp(0, K)
     n_max = sps.numel() - 1
     lens = torch.zeros(R, dtype=torch.long)
     if R == 0 or R > n_max:
         return lens.to(confidence.device)
-    flat = a.flatten()
-    r_idx = torch.arange(R).repeat_interleave(K)
-    j_idx = torch.arange(K).repeat(R)
-    valid = (flat > 0) & (j_idx < cap[r_idx])
-    # stable sort on (-a, r, j): flatten order is already (r, j) ascending
-    order = torch.sort(-flat[valid], stable=True).indices
-    cand_r, cand_a = r_idx[valid][order], flat[valid][order]
-    cand_q = torch.round(cand_a * TAU_GRID) / TAU_GRID  # exact-sum grid for tau
+    cand_r, cand_q = ranked_candidates(confidence, max_lens)
     batch, tau = R, float(R)
     sps_l = sps.tolist()
     best = tau * sps_l[batch]

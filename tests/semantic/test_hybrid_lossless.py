@@ -59,6 +59,9 @@ def _engines(target):
                                                                             scheduler="fixed", **tiny))
     yield "hybrid algorithm1 + gate", SpecEngine(
         target, _drafter(target), EngineConfig(proposers="neural+suffix", scheduler="algorithm1", **tiny), sps=_table())
+    yield "hybrid no_slowdown + gate", SpecEngine(
+        target, _drafter(target), EngineConfig(proposers="neural+suffix", scheduler="no_slowdown", **tiny),
+        sps=_table())
 
 
 def test_suffix_and_hybrid_output_is_identical_to_target_only_for_every_request():

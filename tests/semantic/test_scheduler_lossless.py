@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dspark.engine.scheduler import Algorithm1Scheduler, AsyncScheduler, VerifyLengthPolicy
+from dspark.engine.scheduler import Algorithm1Scheduler, AsyncScheduler, NoSlowdownScheduler, VerifyLengthPolicy
 from dspark.plugins.coupled import race_sample, verify_coupled
 from dspark.plugins.reference import schedule_prefix, verify
 
@@ -179,10 +179,11 @@ def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed:
         max_lens = (L - n_gen[active]).clamp(max=K)  # known before drafting: lossless
         # active is sorted and batches are contiguous blocks of R requests
         bsel, sizes = torch.unique_consecutive(batch_of[active], return_counts=True)
-        lens_parts = []
+        lens_parts, ids = [], []
         for b, rows, c, ml in zip(bsel.tolist(), torch.split(active, sizes.tolist()),
                                   torch.split(conf, sizes.tolist()), torch.split(max_lens, sizes.tolist())):
-            lens_parts.append(policies[b](c, ml, [f"req{i}" for i in rows.tolist()]))
+            ids.append([f"req{i}" for i in rows.tolist()])
+            lens_parts.append(policies[b](c, ml, ids[-1]))
         lens = torch.cat(lens_parts)
         if rule == "coupled":
             res = verify_coupled(drafts, p_t[prev].log(), lens, torch.ones(m), seed=req_seed, position=n_gen[active])
@@ -196,6 +197,8 @@ def run_markov_toy(make_policy, n_batches: int, R: int, tables: list[str], seed:
                 seed=req_seed,
                 offset=torch.full((m,), step, dtype=torch.long),
             )
+        for b, part, acc in zip(bsel.tolist(), ids, torch.split(res.num_accepted, sizes.tolist())):
+            policies[b].observe(part, acc.tolist())  # the no-slowdown guard's credits
         cols = n_gen[active].unsqueeze(1) + torch.arange(K + 1)
         keep = torch.arange(K + 1).unsqueeze(0) < res.num_emitted.unsqueeze(1)
         out[active.unsqueeze(1).expand_as(cols)[keep], cols[keep]] = res.output_tokens[keep]
@@ -235,9 +238,9 @@ def toy_target():
 
 
 @pytest.mark.parametrize("rule", ["rejection", "coupled"])
-@pytest.mark.parametrize("policy", ["algorithm1", "async"])
+@pytest.mark.parametrize("policy", ["algorithm1", "no_slowdown", "async"])
 def test_markov_toy_scheduled_output_matches_target_trigram_distribution(policy, rule, toy_target):
-    make = Algorithm1Scheduler if policy == "algorithm1" else AsyncScheduler
+    make = {"algorithm1": Algorithm1Scheduler, "no_slowdown": NoSlowdownScheduler, "async": AsyncScheduler}[policy]
     tokens = run_markov_toy(make, n_batches=400, R=8, tables=ALL_TABLES, seed=11, rule=rule)
     assert bool((tokens >= 0).all()), "every request must have generated L tokens"
     for window, start in (("first", 0), ("last", L - 3)):
@@ -249,7 +252,7 @@ def test_markov_toy_coupled_output_is_target_only_decoding_under_every_policy():
     """The coupled rule emits the target's own seeded choices: the retrospective search, which
     biases rejection sampling, and the scheduled policies all give target-only's tokens."""
     alone = run_markov_toy(_VerifyNothing, n_batches=50, R=8, tables=ALL_TABLES, seed=11, rule="coupled")
-    for make in (Algorithm1Scheduler, AsyncScheduler, _Retrospective):
+    for make in (Algorithm1Scheduler, NoSlowdownScheduler, AsyncScheduler, _Retrospective):
         tokens = run_markov_toy(make, n_batches=50, R=8, tables=ALL_TABLES, seed=11, rule="coupled")
         assert torch.equal(tokens, alone), f"{make.__name__}: coupled output differs from target-only decoding"
 

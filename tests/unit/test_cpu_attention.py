@@ -27,6 +27,29 @@ def test_varlen_attention_matches_the_per_token_reference(heads, kv_heads, dim):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_blocks_share_a_read_of_the_keys_and_give_each_token_the_same_bits():
+    """Tokens of one slot at consecutive positions read its keys once (a verify block; a prompt
+    chunk cut into blocks of ``block``); every token's output is bit for bit what it gets alone
+    (``block=1``), whatever blocks the packing makes."""
+    g = torch.Generator().manual_seed(2)
+    S, C, Hq, Hkv, D = 4, 80, 9, 3, 64
+    k, v = torch.randn(S, Hkv, C, D, generator=g), torch.randn(S, Hkv, C, D, generator=g)
+    # slot 0: a 40-token prompt chunk (blocks of 16, 16, 8); slot 2: a verify block of 5; slot 1: lone tokens;
+    # slot 3: two runs of the same slot that are not consecutive (two blocks)
+    slot = torch.tensor([0] * 40 + [2] * 5 + [1, 1] + [3, 3, 3, 3])
+    pos = torch.tensor(list(range(40)) + list(range(60, 65)) + [10, 30] + [20, 21, 40, 41])
+    q = torch.randn(slot.numel(), Hq, D, generator=g)
+    alone = cpu_attention.varlen_attention(q, k, v, slot, pos, D ** -0.5, 0, block=1)
+    for block in (2, 5, 16, 64):
+        for limit in (0, 33):
+            got = cpu_attention.varlen_attention(q, k, v, slot, pos, D ** -0.5, limit, block=block)
+            want = alone if limit == 0 else cpu_attention.varlen_attention(q, k, v, slot, pos, D ** -0.5, limit, 1)
+            assert torch.equal(got, want), (block, limit)
+    torch.testing.assert_close(alone, cpu_attention.reference(q, k, v, slot, pos, D ** -0.5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="block"):
+        cpu_attention.varlen_attention(q, k, v, slot, pos, D ** -0.5, 0, block=0)
+
+
 def test_varlen_attention_ignores_keys_past_each_tokens_position():
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 1, 16, 8, generator=g), torch.randn(2, 1, 16, 8, generator=g)
@@ -129,3 +152,23 @@ def test_the_varlen_cache_is_allocated_once_and_never_reads_unwritten_positions(
     for a, b in zip(*logits):
         assert not a.isnan().any()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_benchmark_compares_block_and_per_token_reads_and_writes_its_tables(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_cpu_attention.py"
+    spec = importlib.util.spec_from_file_location("_bench_cpu_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runner = TargetRunner(make_tiny_target(), 2, initial_capacity=24, max_context=24)
+    records = bench.run(runner, [(2, 1), (2, 3)], context=12, rounds=2, iters=1)
+    assert [r["same_logits"] for r in records] == [True, True]
+    assert all(r["block_ms"] > 0 and r["per_token_ms"] > 0 for r in records)
+    assert runner.attention_block == cpu_attention.BLOCK  # the engine's setting is restored
+    (draft,) = bench.marginal(records)
+    assert draft["rows"] == 2 and draft["drafts_per_row"] == 2
+    bench.write(records, tmp_path, 2, "python scripts/bench_cpu_attention.py")
+    md = (tmp_path / "cpu_attention.md").read_text()
+    assert "| 2 | 3 |" in md and (tmp_path / "cpu_attention.json").exists()

@@ -9,10 +9,13 @@ from dspark.engine.scheduler import (
     Algorithm1Scheduler,
     AsyncScheduler,
     FixedLength,
+    NoSlowdownScheduler,
     StaticThreshold,
     UnknownSchedulerError,
     expected_throughput,
+    guarded_schedule_prefix,
     make_scheduler,
+    step_time,
     top_capacity_lens,
 )
 from dspark.engine.sps import SpsTable
@@ -37,7 +40,8 @@ def _random_case(seed: int, R: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _policies(n: int):
     sps = _sps(n, 0.05)
-    return [FixedLength(), FixedLength(3), StaticThreshold(0.5), Algorithm1Scheduler(sps), AsyncScheduler(sps)]
+    return [FixedLength(), FixedLength(3), StaticThreshold(0.5), Algorithm1Scheduler(sps), NoSlowdownScheduler(sps),
+            AsyncScheduler(sps)]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -145,7 +149,7 @@ def test_make_scheduler_error_lists_the_known_names():
 def test_make_scheduler_builds_each_registered_policy():
     sps = _sps(64, 0.05)
     kwargs = {"fixed": {"k": 2}, "threshold": {"threshold": 0.5},
-              "algorithm1": {"sps": sps}, "async": {"sps": sps}}
+              "algorithm1": {"sps": sps}, "no_slowdown": {"sps": sps}, "async": {"sps": sps}}
     assert set(kwargs) == set(SCHEDULERS), "update this test when the registry changes"
     for name, kw in kwargs.items():
         policy = make_scheduler(name, **kw)
@@ -277,3 +281,92 @@ def test_async_history_ignores_rows_held_at_cap_zero():
     policy(high, None, ids)
     policy(high, None, ids)  # step 2: capacity from step 0
     assert policy.last_capacity == int(schedule_prefix(high, sps, early_stop=False).sum())
+
+
+# -- the no-slowdown guard -----------------------------------------------------------------------
+
+def _step(policy: NoSlowdownScheduler, conf: torch.Tensor, cap: torch.Tensor, ids: list[str],
+          g: torch.Generator) -> torch.Tensor:
+    """One scheduled step whose drafts survive with their confidences; reports the outcome."""
+    lens = policy(conf, cap, ids)
+    survive = torch.rand(conf.shape, generator=g, dtype=torch.float64) < conf.double()
+    run = torch.cumprod(survive.long(), dim=1)
+    accepted = [int(run[i, : int(lens[i])].sum()) for i in range(len(ids))]
+    policy.observe(ids, accepted)
+    return lens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_slowdown_equals_algorithm1_for_one_fresh_request(seed):
+    conf, cap = _random_case(seed, R=1)
+    sps = _sps(16, 0.05)
+    assert torch.equal(NoSlowdownScheduler(sps)(conf, cap), Algorithm1Scheduler(sps)(conf, cap))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_slowdown_is_algorithm1_when_drafts_cost_nothing(seed):
+    conf, cap = _random_case(seed, R=6)
+    flat = torch.ones(6 * (K + 1) + 1, dtype=torch.float64)
+    flat[0] = 0.0
+    ns, a1 = NoSlowdownScheduler(flat, max_debt=0.0), Algorithm1Scheduler(flat)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(5):  # credits never fall: t(B) - t(R) = 0
+        ids = [f"r{i}" for i in range(6)]
+        assert torch.equal(_step(ns, conf, cap, ids, g), a1(conf, cap))
+
+
+def test_no_slowdown_admits_a_prefix_of_algorithm1s_choice_and_keeps_waiting_rows_within_the_debt():
+    """Rows without drafts (cap 0) pay for every step's extra time and gain nothing: none of
+    them falls further behind than ``max_debt`` steps, and drafting stops once one is there."""
+    R, sps, g = 8, _sps(8 * (K + 1), 0.05), torch.Generator().manual_seed(1)
+    ns, a1 = NoSlowdownScheduler(sps, max_debt=2.0), Algorithm1Scheduler(sps)
+    ids = [f"r{i}" for i in range(R)]
+    cap = torch.tensor([K if i % 2 == 0 else 0 for i in range(R)])
+    bound = -2.0 * step_time(ns.sps, R) - 1e-12
+    verified = []
+    for _ in range(40):
+        conf = torch.rand(R, K, generator=g, dtype=torch.float64) ** 0.3
+        want = a1(conf, cap)
+        lens = _step(ns, conf, cap, ids, g)
+        assert bool((lens <= want).all())
+        verified.append(int(lens.sum()))
+        waiting = [ns.credit[rid] for rid, c in zip(ids, cap.tolist()) if c == 0]
+        assert min(waiting) >= bound
+    assert verified[0] > 0 and verified[-1] == 0, f"the guard should bind once the debt is spent: {verified}"
+
+
+def test_no_slowdown_credit_is_the_time_accepted_drafts_saved_minus_the_extra_step_time():
+    sps = _sps(64, 0.05)
+    ns = NoSlowdownScheduler(sps, max_debt=10.0)
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    lens = ns(conf, None, ["a", "b"])
+    n = int(lens.sum())
+    assert n > 0 and int(lens[1]) == 0
+    ns.observe(["a", "b"], [2, 0])
+    extra = step_time(ns.sps, 2 + n) - step_time(ns.sps, 2)
+    assert ns.credit["a"] == pytest.approx(2 * step_time(ns.sps, 2) - extra)
+    assert ns.credit["b"] == pytest.approx(-extra)
+    ns(conf[:1], None, ["a"])  # b has left: its credit goes
+    assert set(ns.credit) == {"a"}
+
+
+def test_no_slowdown_observe_must_match_the_step_it_reports():
+    ns = NoSlowdownScheduler(_sps(32, 0.05))
+    ns.observe(["x"], [1])  # nothing scheduled yet: nothing to settle
+    assert ns.credit == {}
+    ns(torch.full((2, 3), 0.8), None, ["a", "b"])
+    with pytest.raises(ValueError, match="same request_ids"):
+        ns.observe(["b", "a"], [0, 0])
+    with pytest.raises(ValueError, match="max_debt"):
+        NoSlowdownScheduler(_sps(8, 0.05), max_debt=-1.0)
+
+
+def test_guarded_walk_stops_where_a_row_runs_out_of_slack():
+    sps = _sps(64, 0.05)
+    conf = torch.tensor([[0.95, 0.95, 0.95], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    cap = torch.tensor([3, 0])
+    t2 = step_time(sps, 2)
+    for tokens in range(4):  # slack for exactly ``tokens`` drafts of the other row
+        slack = torch.tensor([0.0, step_time(sps, 2 + tokens) - t2 + 1e-12], dtype=torch.float64)
+        lens = guarded_schedule_prefix(conf, sps, cap, slack)
+        assert lens.tolist() == [tokens, 0], tokens
