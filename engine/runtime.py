@@ -176,7 +176,6 @@ class SpecEngine:
         self.gate = self._make_gate(sps, sched)
         self.suffix_gate = self._make_suffix_gate(sps, sched)
         self._suffix_looked: list[int] = []  # rows of this step's batch whose suffix lookups ran
-        self._scheduled = False  # whether the policy chose this step's verify lengths
         self.verify = ops.verify  # the CUDA kernel for CUDA tensors, the reference otherwise
         self.device = self.runner.device
         self._seeds = random.Random(self.cfg.seed)  # seeds for requests without one
@@ -525,8 +524,7 @@ class SpecEngine:
         """Verify lengths [R]: the policy over the whole batch (its token count sets the step's
         cost), each row capped by its drafts and by its request's room."""
         R = len(reqs)
-        self._scheduled = batch.width > 0
-        if not self._scheduled:
+        if batch.width == 0:
             return torch.zeros(R, dtype=torch.long)
         cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
         return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs]).cpu()
@@ -552,7 +550,7 @@ class SpecEngine:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
         # host lists up front: indexing a tensor per row costs microseconds, times 64 rows per step
         n_acc = res.num_accepted.cpu().tolist()
-        if self._scheduled:  # the policy chose this step's lengths: tell it what they won
+        if batch.width > 0:  # the policy chose this step's lengths (_schedule): tell it what they won
             self.policy.observe([r.rid for r in reqs], n_acc)
         lens_l = lens.tolist()
         has = [n > 0 for n in batch.lens.cpu().tolist()]

@@ -240,11 +240,12 @@ def guarded_schedule_prefix(confidence: torch.Tensor, sps: torch.Tensor, cap: to
     lens = torch.zeros(R, dtype=torch.long)
     if R == 0 or R >= sps.numel():
         return lens
-    t_rows = step_time(sps, R)
+    sps_l = sps.tolist()
+    times = [1.0 / x if x > 0 else float("inf") for x in sps_l]  # step_time of every count, once
+    t_rows = times[R]
     cand_r, cand_q = ranked_candidates(confidence, cap)
     room = slack.double().tolist()
     floor = min(room)
-    sps_l = sps.tolist()
     batch, tau = R, float(R)
     best = tau * sps_l[batch]
     admitted = 0
@@ -258,7 +259,7 @@ def guarded_schedule_prefix(confidence: torch.Tensor, sps: torch.Tensor, cap: to
         room[r] += ar * t_rows
         if was_floor:
             floor = min(room)
-        if not (theta > best and step_time(sps, batch) - t_rows <= floor):
+        if not (theta > best and times[batch] - t_rows <= floor):
             break
         best = theta
         admitted = i + 1
