@@ -129,8 +129,9 @@ def cmd_profile(args) -> None:
 
     cfg = _load(args)
     target = load_target(cfg.target, device=args.device)
+    rows = [int(r) for r in args.rows.split(",") if r] if args.rows else []
     table = profile_target_sps(target, cfg.target.block_size, context=args.context, max_tokens=args.max_tokens,
-                               repeats=args.repeats, static_steps=args.static_steps)
+                               repeats=args.repeats, static_steps=args.static_steps, batch_rows=rows)
     ckpt = _checkpoint_dir(args, cfg)
     if ckpt.exists():  # the drafter's own cost lets the engine skip drafting where it cannot pay
         from dspark.engine.bench import profile_append_cost, profile_draft_cost
@@ -151,6 +152,8 @@ def cmd_profile(args) -> None:
     plot_sps(table, out.with_suffix(".png"))
     for b, s in zip(table.tokens, table.steps_per_s):
         print(f"B={b:4d}  {s:8.2f} steps/s")
+    for R, es, ss in zip(table.batch_rows or [], table.extra_tokens or [], table.rows_steps_per_s or []):
+        print(f"rows R={R:3d}  " + "  ".join(f"+{e}: {1000 / s:.1f}" for e, s in zip(es, ss)) + "  ms/step")
     for r, s in zip(table.draft_requests or [], table.draft_seconds or []):
         print(f"drafter R={r:3d}  {1000 * s:8.2f} ms/pass")
     if table.draft_append_seconds is not None:
@@ -283,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, help="timed steps per point (default: 5 sweeps on the CPU, 20 on a GPU)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64",
+                   help="row counts of the by-rows grid (steps of R rows plus drafts; '' for none): size it to the "
+                        "batches you serve")
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
     p.add_argument("--checkpoint", help="drafter whose pass is timed too (default: <run>/checkpoints/last if present)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: profile where you serve")

@@ -263,36 +263,79 @@ def _summarise(runs: dict[str, list[SystemResult]], outputs: dict[str, list[list
 
 
 def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: int = 512, repeats: int | None = None,
-                       token_counts: list[int] | None = None, allow_flat: bool = False, static_steps: str = "auto"):
+                       token_counts: list[int] | None = None, allow_flat: bool = False, static_steps: str = "auto",
+                       batch_rows: list[int] | None = None):
     """Steps/s of one verify forward against its number of tokens B (rows of 1+K tokens over ``context``).
 
     The steps run the way the engine runs them (``EngineConfig.static_steps``): on a GPU,
     ``auto`` replays CUDA graphs of the padded (rows, query) buckets, whose cost is what the
     scheduler trades against; on the CPU the ragged eager forward. ``repeats`` (sweeps over all
     counts, interleaved: ``profile_sps``) defaults to 5 on the CPU (a step takes 0.05-4 s) and 20
-    on a GPU, after 5 warm-up steps that bring the clocks up."""
-    from .sps import profile_sps
+    on a GPU, after 5 warm-up steps that bring the clocks up.
+
+    ``batch_rows``: also time the by-rows grid (``engine/sps.py``): for each R, a step of R rows
+    of one token over ``context`` plus ``e`` drafts in blocks of K on the first rows, for e in
+    ``ROW_EXTRA_TOKENS`` up to ``R * K`` (and ``max_tokens`` in all)."""
+    from .sps import profile_sps, time_interleaved
     from .static_target import StaticTarget, with_static_steps
 
-    rows_max = max(1, max_tokens // (block_size + 1)) + 1
+    rows_max = max([max(1, max_tokens // (block_size + 1)) + 1] + list(batch_rows or []))
     runner = TargetRunner(target, rows_max, initial_capacity=context + block_size + 2, max_context=context + block_size + 2)
     on_gpu = runner.device.type == "cuda"
     if not on_gpu:  # the host allocator as the CPU engine sets it (EngineConfig.retain_host_memory)
         host_memory.retain_freed_memory()
+    prime_cache(runner, rows_max, context)
     runner = with_static_steps(runner, static_steps, rows_max, block_size)
     kind = ("CUDA graphs" if runner.use_graphs else "static eager") if isinstance(runner, StaticTarget) else "eager"
     counts = token_counts or sorted({1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512} & set(range(1, max_tokens + 1)))
 
+    def run(sizes: list[int]) -> None:
+        for r in range(len(sizes)):
+            runner.set_length(r, context)
+        runner.forward(list(range(len(sizes))), [[7] * n for n in sizes], need_features=True)
+
     def step(B: int) -> None:
         rows = max(1, -(-B // (block_size + 1)))
-        sizes = [B // rows + (1 if i < B % rows else 0) for i in range(rows)]
-        for r in range(rows):
-            runner.set_length(r, context)
-        runner.forward(list(range(rows)), [[7] * n for n in sizes], need_features=True)
+        run([B // rows + (1 if i < B % rows else 0) for i in range(rows)])
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
     warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or 5)
-    return profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
-                       engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
+    table = profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
+                        engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
+    if batch_rows:
+        grid = [(R, e) for R in sorted(set(batch_rows)) for e in ROW_EXTRA_TOKENS
+                if e <= R * block_size and R + e <= max(max_tokens, R)]
+        medians = time_interleaved(lambda key: run(_row_sizes(*key, block_size)), grid, warmup, repeats, sync=sync,
+                                   desc="profiling rows")
+        rs = sorted(set(batch_rows))
+        table.set_rows_grid(rs, [[e for R2, e in grid if R2 == R] for R in rs],
+                            [[1.0 / medians[(R2, e)] for R2, e in grid if R2 == R] for R in rs])
+    return table
+
+
+def prime_cache(runner: TargetRunner, rows: int, context: int) -> None:
+    """Write ``context`` real positions into the cache of slots ``0..rows-1``: one prefill of
+    slot 0, copied to the others. The CPU cache starts uninitialised (``TargetRunner``), and
+    reading positions never written reads the kernel's shared zero page, which costs no
+    memory traffic: a profile over it prices attention far below a decode step's."""
+    runner.set_length(0, 0)
+    runner.forward([0], [[7 + (i % 50) for i in range(context)]], need_features=False, last_logits_only=True)
+    for r in range(1, rows):
+        runner.k[:, r, :, :context] = runner.k[:, 0, :, :context]
+        runner.v[:, r, :, :context] = runner.v[:, 0, :, :context]
+
+
+# drafts beyond the anchors at which each row count of the by-rows grid is timed (up to R * K)
+ROW_EXTRA_TOKENS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _row_sizes(rows: int, extra: int, block_size: int) -> list[int]:
+    """Tokens per row of a step of ``rows`` anchors and ``extra`` drafts, in blocks of K on the first rows."""
+    sizes = [1] * rows
+    for i in range(rows):
+        take = min(block_size, extra)
+        sizes[i] += take
+        extra -= take
+    return sizes
 
 
 def _sync(device: torch.device) -> None:

@@ -16,7 +16,9 @@ ride in the same step and wait for the same drafter pass:
     a drafted step:  B + n A tokens  in  draft_time(n) + step_time(B + n V)
     a plain step:    B tokens        in  step_time(B)
 
-so a pass that pays for one request alone can cost a batch more than it gains. A and V
+so a pass that pays for one request alone can cost a batch more than it gains. ``step_time``
+is the SPS table's, for a step of that many rows where the table prices by rows
+(``engine/sps.py``). A and V
 come from realised counts, so the gate also works for
 drafters without a confidence head, and both are averages over request-steps (rows), not
 over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
@@ -56,7 +58,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from .sps import SpsTable
+from .sps import SpsTable, StepCosts
 
 __all__ = ["DraftGate", "gated_rows", "least_recent"]
 
@@ -95,7 +97,8 @@ class DraftGate:
         self.table = table
         self.draft_time = draft_time if draft_time is not None else table.draft_time
         self.catchup_time = catchup_time if catchup_time is not None else (lambda rows: 0.0)
-        self.step_seconds = (1.0 / table.as_tensor(max(max_tokens, table.tokens[-1]))).tolist()
+        self._costs = StepCosts(table, max(max_tokens, table.tokens[-1]))
+        self._seconds: dict[int, list[float]] = {}  # step seconds by tokens, per row count
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
         self.prior_rows = prior_rows
@@ -124,11 +127,16 @@ class DraftGate:
         """Estimated drafts verified per request on a drafted step; None before any."""
         return None if self._rows == 0.0 else self._verified / self._rows
 
-    def _step_time(self, tokens: int) -> float:
-        last = len(self.step_seconds) - 1
+    def _step_time(self, rows: int, tokens: int | None = None) -> float:
+        """Seconds of a step of ``rows`` rows and ``tokens`` tokens (default one per row)."""
+        seconds = self._seconds.get(rows)
+        if seconds is None:
+            seconds = self._seconds[rows] = (1.0 / self._costs(rows)).tolist()
+        tokens = rows if tokens is None else tokens
+        last = len(seconds) - 1
         if tokens <= last:
-            return self.step_seconds[tokens]
-        return self.step_seconds[last] * tokens / last  # compute bound beyond the table
+            return seconds[tokens]
+        return seconds[last] * tokens / last  # compute bound beyond the table
 
     def expected_gain(self, requests: int, batch_rows: int | None = None) -> float:
         """Predicted output rate of a step that drafts ``requests`` rows over a plain one (>=1: draft),
@@ -137,7 +145,7 @@ class DraftGate:
             return float("inf")
         batch = _step_rows(requests, batch_rows)
         t_plain = self._step_time(batch)
-        t_drafted = self.draft_time(requests) + self._step_time(batch + round(requests * self.verified))
+        t_drafted = self.draft_time(requests) + self._step_time(batch, batch + round(requests * self.verified))
         return (batch + requests * self.accepted) / batch * t_plain / t_drafted
 
     def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None) -> float:
@@ -147,7 +155,7 @@ class DraftGate:
         batch = _step_rows(requests, batch_rows)
         t_plain = self._step_time(batch)
         verified = round(rows * (self.verified or 0.0))
-        extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(batch + verified) - t_plain
+        extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(batch, batch + verified) - t_plain
         return extra / t_plain
 
     def probe_cap(self, requests: int, rows: int, batch_rows: int | None = None) -> int:

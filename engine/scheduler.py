@@ -40,6 +40,11 @@ depend on the drafts before it: that is just a drafter that chooses its length a
   plays no part in its own admission.
 * Fixed and threshold policies decide draft j from ``a[r, j]`` alone.
 
+Prices. The hardware-aware policies price a step of R rows and B tokens from the SPS table's
+curve for R rows where the table has a by-rows grid (``StepCosts``, ``engine/sps.py``): a draft
+beside 64 one-token rows costs what it costs there, not what the 1-D curve's rows of K+1
+tokens say. A table without the grid, or a dense array, prices every R alike.
+
 Requests join and leave between steps, so ``AsyncScheduler`` keeps its history per request
 id (``request_ids``). A request with no confidences from two steps ago is assumed to look
 like the mean of those that have them; when no current request has any (the first two
@@ -54,7 +59,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from dspark.engine.sps import SpsTable
+from dspark.engine.sps import SpsLike, StepCosts, dense_sps
 from dspark.plugins import ops
 from dspark.plugins.reference import prefix_survival, ranked_candidates, schedule_prefix
 
@@ -75,27 +80,6 @@ __all__ = [
     "top_capacity_lens",
 ]
 
-SpsLike = Any  # torch.Tensor [N+1] | SpsTable | sequence of floats
-
-
-def _as_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
-    """Dense steps/s array [N+1] (float64, CPU); index = batch tokens, entry 0 unused.
-
-    An ``SpsTable`` is expanded up to ``max_tokens`` (default: its largest profiled count);
-    batches past the end of the array are never scheduled.
-    """
-    if isinstance(sps, SpsTable):
-        sps = sps.as_tensor(max_tokens)
-    elif max_tokens is not None:
-        raise ValueError("max_tokens applies only to an SpsTable; slice a dense sps array yourself")
-    t = torch.as_tensor(sps, dtype=torch.float64).detach().cpu().reshape(-1)
-    if t.numel() < 2:
-        raise ValueError(f"sps must cover at least batch size 1 (length >= 2), got length {t.numel()}")
-    if not bool((torch.isfinite(t[1:]) & (t[1:] >= 0)).all()):
-        raise ValueError("sps entries must be finite and >= 0")
-    return t
-
-
 def _check(confidence: torch.Tensor, max_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (confidence [R, K], cap [R] int64 on CPU clamped to [0, K])."""
     if confidence.dim() != 2:
@@ -113,9 +97,9 @@ def _check(confidence: torch.Tensor, max_lens: torch.Tensor | None) -> tuple[tor
 
 def expected_throughput(confidence: torch.Tensor, lens: torch.Tensor, sps: SpsLike) -> float:
     """``Theta = tau * SPS(B)`` of a choice of verify lengths; 0 when B exceeds the table."""
-    sps_t = _as_sps(sps)
     a = prefix_survival(confidence).cpu()
     R, K = a.shape
+    sps_t = StepCosts(sps)(R)
     lens = torch.as_tensor(lens).long().cpu()
     mask = torch.arange(K).unsqueeze(0) < lens.unsqueeze(1)
     tau = R + float((a * mask).sum())
@@ -211,11 +195,11 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
     name = "algorithm1"
 
     def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
-        self.sps = _as_sps(sps, max_tokens)
+        self.sps = StepCosts(sps, max_tokens)
 
     def _lens(self, confidence, cap, request_ids):
         device = confidence.device
-        return ops.schedule_prefix(confidence, self.sps.to(device), cap.to(device), early_stop=True)
+        return ops.schedule_prefix(confidence, self.sps(confidence.shape[0]).to(device), cap.to(device), early_stop=True)
 
 
 def step_time(sps: torch.Tensor, tokens: int) -> float:
@@ -293,7 +277,7 @@ class NoSlowdownScheduler(VerifyLengthPolicy):
     def __init__(self, sps: SpsLike, max_debt: float = 1.0, max_tokens: int | None = None) -> None:
         if max_debt < 0:
             raise ValueError(f"max_debt must be >= 0 (steps), got {max_debt}")
-        self.sps = _as_sps(sps, max_tokens)
+        self.sps = StepCosts(sps, max_tokens)
         self.max_debt = float(max_debt)
         self.credit: dict[str, float] = {}
         self._pending: tuple[list[str], float, float] | None = None  # ids, t(R), t(B) - t(R) of the last step
@@ -306,13 +290,14 @@ class NoSlowdownScheduler(VerifyLengthPolicy):
         R = confidence.shape[0]
         ids = [str(i) for i in range(R)] if request_ids is None else [str(r) for r in request_ids]
         self.credit = {rid: self.credit.get(rid, 0.0) for rid in ids}
-        if R == 0 or R >= self.sps.numel():
+        sps = self.sps(R)
+        if R == 0 or R >= sps.numel():
             self._pending = None
             return torch.zeros(R, dtype=torch.long)
-        t_rows = step_time(self.sps, R)
+        t_rows = step_time(sps, R)
         slack = torch.tensor([self.credit[rid] for rid in ids], dtype=torch.float64) + self.max_debt * t_rows
-        lens = guarded_schedule_prefix(confidence, self.sps, cap, slack)
-        self._pending = (ids, t_rows, step_time(self.sps, R + int(lens.sum())) - t_rows)
+        lens = guarded_schedule_prefix(confidence, sps, cap, slack)
+        self._pending = (ids, t_rows, step_time(sps, R + int(lens.sum())) - t_rows)
         return lens
 
     def observe(self, request_ids: Sequence[str], accepted: Sequence[int]) -> None:
@@ -339,7 +324,7 @@ class AsyncScheduler(VerifyLengthPolicy):
     def __init__(self, sps: SpsLike, lag: int = 2, max_tokens: int | None = None) -> None:
         if lag < 1:
             raise ValueError(f"lag must be >= 1 (capacity must not see this step's drafts), got {lag}")
-        self.sps = _as_sps(sps, max_tokens)
+        self.sps = StepCosts(sps, max_tokens)
         self.lag = lag
         self._sync = Algorithm1Scheduler(self.sps)
         # per step, oldest first: (request id -> row, confidences [R, K] float64 on CPU)
@@ -367,7 +352,7 @@ class AsyncScheduler(VerifyLengthPolicy):
         rows[-1] = rows[known].mean(0)  # stand-in for requests that were not there
         proxy = rows[torch.tensor(where)]  # index -1 picks the stand-in
         # unconstrained global search: safe here, none of these confidences are this step's
-        return int(schedule_prefix(proxy, self.sps, cap, early_stop=False).sum())
+        return int(schedule_prefix(proxy, self.sps(len(request_ids)), cap, early_stop=False).sum())
 
     def _lens(self, confidence, cap, request_ids):
         R, K = confidence.shape

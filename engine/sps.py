@@ -18,7 +18,10 @@ File format (JSON object, UTF-8), format version 1::
       "meta": {"warmup": 3, "repeats": 10}, # optional: how it was profiled
       "draft_requests": [1, 4, 16, 64],  # optional: drafter pass timed at these batch sizes R
       "draft_seconds": [0.002, 0.002, 0.003, 0.006],  # optional: seconds of drafter work per drafted step at each R
-      "draft_append_seconds": 2e-5       # optional, with draft_*: seconds per context position appended to one row
+      "draft_append_seconds": 2e-5,      # optional, with draft_*: seconds per context position appended to one row
+      "batch_rows": [1, 16, 64],         # optional: steps timed at these row counts R (the batch's requests)
+      "extra_tokens": [[0, 4, 8], [0, 8, 64], [0, 1, 8, 64]],  # with batch_rows: per R, drafts verified beyond R
+      "rows_steps_per_s": [[95.0, 94.1, 93.9], [90.2, 89.0, 80.1], [70.3, 70.0, 66.2, 55.0]]  # steps/s at R + e
     }
 
 The two optional ``draft_*`` keys (both or neither) give the cost of the drafter's own work
@@ -31,6 +34,16 @@ drafting pays at all on this hardware. ``draft_time(R)`` interpolates it like st
 before it drafts: a row that the gate skipped for a while rebuilds its drafter cache from a
 window of recent positions (``engine/proposers/neural.py``), and the gate's probe budget
 counts that catch-up (``catchup_time``, 0 without the key).
+
+The three optional ``batch_rows`` keys (all or none) say what a step costs by *rows and*
+tokens: ``rows_steps_per_s[i][j]`` is the steps/s of a step of ``batch_rows[i]`` rows, each
+verifying its anchor, that verifies ``extra_tokens[i][j]`` drafts more (in blocks of the
+drafter's K on the first rows). The 1-D curve above is timed on rows of K+1 tokens, so its
+64-token step is 8 rows; the engine's 64-token step is usually 64 rows of one token, which
+costs more (a row's cache reads and per-row work), and a draft beside them costs more than
+the curve's slope says: on a 2-core CPU the two differ by 40-60% at 64 rows. With the grid,
+the schedulers and gates price a step of R rows by the curve of those rows
+(``as_tensor(rows=R)``); without it, by the 1-D curve. ``dspark profile`` writes both.
 
 Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
 
@@ -47,6 +60,12 @@ Dense expansion (``as_tensor``), chosen on purpose:
   a pessimistic guess: profile up to the largest batch you serve.
 - ``sps[0]`` is unused by the scheduler (a batch always holds its R base tokens); it is
   set to ``sps[1]`` so the array has no holes.
+- By rows (``as_tensor(rows=R)``, with the grid): entry B is a step of R rows and B tokens,
+  ``t_R(B - R)``; each profiled row count's step times are fitted non-decreasing in the extra
+  tokens (isotonic) and interpolated linearly between its extra counts, past the last one
+  along its last slope; between two profiled row counts the two curves are mixed linearly
+  at the same extra count; past the largest row count the plain step grows in proportion to
+  rows (pessimistic) and the drafts cost what they cost there. Entries below R hold ``t_R(0)``.
 
 A table whose smoothed SPS hardly falls over the profiled range is refused with
 ``FlatCostTableError``: it would make every verify look free and only *look* profiled.
@@ -75,6 +94,10 @@ __all__ = [
     "SpsTable",
     "load_sps_table",
     "profile_sps",
+    "time_interleaved",
+    "SpsLike",
+    "StepCosts",
+    "dense_sps",
     "plot_sps",
     "isotonic_non_decreasing",
 ]
@@ -84,7 +107,9 @@ SPS_FORMAT_VERSION = 1
 DEFAULT_FLAT_RTOL = 0.02  # smoothed SPS must fall by at least 2% over the profiled range
 
 _KEYS_REQUIRED = ("format", "format_version", "tokens", "steps_per_s", "device", "engine", "created_at")
-_KEYS_OPTIONAL = ("meta", "draft_requests", "draft_seconds", "draft_append_seconds")
+_KEYS_OPTIONAL = ("meta", "draft_requests", "draft_seconds", "draft_append_seconds", "batch_rows", "extra_tokens",
+                  "rows_steps_per_s")
+_ROW_KEYS = ("batch_rows", "extra_tokens", "rows_steps_per_s")
 
 
 class SpsTableError(ValueError):
@@ -128,6 +153,9 @@ class SpsTable:
     draft_requests: list[int] | None = None  # batch sizes R at which the drafter pass was timed
     draft_seconds: list[float] | None = None  # seconds per drafter pass at each of them
     draft_append_seconds: float | None = None  # seconds per context position appended to one row's drafter cache
+    batch_rows: list[int] | None = None  # row counts R of the by-rows grid (module docstring)
+    extra_tokens: list[list[int]] | None = None  # per R: drafts verified beyond the R anchors
+    rows_steps_per_s: list[list[float]] | None = None  # per R: steps/s at each extra count
     source: str = field(default="<in-memory table>", repr=False, compare=False)  # for messages only
 
     def __post_init__(self) -> None:
@@ -155,6 +183,45 @@ class SpsTable:
         if not isinstance(self.meta, dict):
             self._fail(f"'meta' must be an object, got {type(self.meta).__name__}")
         self._check_draft_cost()
+        self._check_rows()
+
+    def _check_rows(self) -> None:
+        given = [getattr(self, k) is not None for k in _ROW_KEYS]
+        if not any(given):
+            return
+        if not all(given):
+            self._fail(f"{', '.join(repr(k) for k in _ROW_KEYS)} go together; "
+                       f"missing {[k for k, g in zip(_ROW_KEYS, given) if not g]}")
+        self.batch_rows = list(self.batch_rows)
+        self._check_counts("batch_rows", self.batch_rows)
+        n = len(self.batch_rows)
+        if not (isinstance(self.extra_tokens, list) and isinstance(self.rows_steps_per_s, list)
+                and len(self.extra_tokens) == n and len(self.rows_steps_per_s) == n):
+            self._fail(f"'extra_tokens' and 'rows_steps_per_s' must be lists of {n} lists (one per batch_rows entry)")
+        extras, rates = [], []
+        for R, es, ss in zip(self.batch_rows, self.extra_tokens, self.rows_steps_per_s):
+            if not (isinstance(es, list) and isinstance(ss, list)) or len(es) != len(ss) or len(es) < 2 or es[0] != 0:
+                self._fail(f"rows {R}: 'extra_tokens' and 'rows_steps_per_s' need equal lists of >= 2 entries, "
+                           f"extra tokens starting at 0; got {es!r} and {ss!r}")
+            for e in es:
+                if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+                    self._fail(f"rows {R}: 'extra_tokens' must be integers >= 0, got {e!r}")
+            if any(b <= a for a, b in zip(es, es[1:])):
+                self._fail(f"rows {R}: 'extra_tokens' must be strictly increasing, got {es}")
+            extras.append(list(es))
+            rates.append(self._check_numbers("rows_steps_per_s", ss, allow_zero=False))
+        self.extra_tokens, self.rows_steps_per_s = extras, rates
+
+    def set_rows_grid(self, batch_rows: list[int], extra_tokens: list[list[int]],
+                      rows_steps_per_s: list[list[float]]) -> None:
+        """Attach a by-rows grid (checked as a loaded one is)."""
+        self.batch_rows, self.extra_tokens, self.rows_steps_per_s = batch_rows, extra_tokens, rows_steps_per_s
+        self._check_rows()
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether the table prices steps by rows and tokens (the ``batch_rows`` grid)."""
+        return self.batch_rows is not None
 
     def _check_draft_cost(self) -> None:
         if self.draft_requests is None and self.draft_seconds is None:
@@ -232,16 +299,24 @@ class SpsTable:
 
     # -- dense form for the scheduler -----------------------------------------------------
 
-    def as_tensor(self, max_tokens: int | None = None, smooth: str = "isotonic") -> torch.Tensor:
+    def as_tensor(self, max_tokens: int | None = None, smooth: str = "isotonic", rows: int | None = None) -> torch.Tensor:
         """Dense ``sps[0..max_tokens]`` (float64, [max_tokens+1]) for the scheduler.
 
         ``max_tokens`` defaults to the largest profiled count. ``smooth`` is ``"isotonic"``
         (monotone non-increasing SPS, the default) or ``"none"``; see the module docstring.
+        ``rows``: the steps of a batch of that many rows, from the by-rows grid where the table
+        has one (else the 1-D curve, which does not depend on rows). ``StepCosts`` keeps them per R.
         """
         if max_tokens is None:
             max_tokens = self.tokens[-1]
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if smooth not in ("isotonic", "none"):
+            raise ValueError(f"smooth must be 'isotonic' or 'none', got {smooth!r}")
+        if rows is not None and self.has_rows:
+            if rows < 1:
+                raise ValueError(f"rows must be >= 1, got {rows}")
+            return self._dense_for_rows(rows, max_tokens, smooth)
         if smooth == "isotonic":
             sps = self.smoothed_steps_per_s()
         elif smooth == "none":
@@ -263,6 +338,36 @@ class SpsTable:
         out[0] = out[1]
         return out
 
+    def _row_curve(self, i: int, extra: torch.Tensor, smooth: str) -> torch.Tensor:
+        """Step seconds of profiled row count ``batch_rows[i]`` at ``extra`` drafts (float64)."""
+        times = [1.0 / s for s in self.rows_steps_per_s[i]]
+        if smooth == "isotonic":
+            times = isotonic_non_decreasing(times)
+        xs = torch.tensor(self.extra_tokens[i], dtype=torch.float64)
+        ts = torch.tensor(times, dtype=torch.float64)
+        idx = torch.searchsorted(xs, extra, right=True).clamp(1, xs.numel() - 1)
+        x0, x1, t0, t1 = xs[idx - 1], xs[idx], ts[idx - 1], ts[idx]
+        slope = ((t1 - t0) / (x1 - x0)).clamp(min=0.0)
+        return t0 + slope * (extra - x0).clamp(min=0.0)  # past the last count: along the last slope
+
+    def _dense_for_rows(self, rows: int, max_tokens: int, smooth: str) -> torch.Tensor:
+        """``as_tensor(rows=rows)`` without the cache (see the module docstring)."""
+        b = torch.arange(max_tokens + 1, dtype=torch.float64)
+        extra = (b - rows).clamp(min=0.0)
+        rs = self.batch_rows
+        if rows <= rs[0]:
+            t = self._row_curve(0, extra, smooth)
+        elif rows >= rs[-1]:
+            plain = self._row_curve(len(rs) - 1, torch.zeros(1, dtype=torch.float64), smooth)
+            t = self._row_curve(len(rs) - 1, extra, smooth) + plain * (rows / rs[-1] - 1.0)
+        else:
+            i = next(k for k, r in enumerate(rs) if r >= rows)
+            w = (rows - rs[i - 1]) / (rs[i] - rs[i - 1])
+            t = (1.0 - w) * self._row_curve(i - 1, extra, smooth) + w * self._row_curve(i, extra, smooth)
+        out = 1.0 / t
+        out[0] = out[1]
+        return out
+
     # -- JSON -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -278,6 +383,8 @@ class SpsTable:
             **({"draft_requests": list(self.draft_requests), "draft_seconds": list(self.draft_seconds)}
                if self.has_draft_cost else {}),
             **({"draft_append_seconds": self.draft_append_seconds} if self.draft_append_seconds is not None else {}),
+            **({"batch_rows": list(self.batch_rows), "extra_tokens": [list(e) for e in self.extra_tokens],
+                "rows_steps_per_s": [list(s) for s in self.rows_steps_per_s]} if self.has_rows else {}),
         }
 
     @classmethod
@@ -302,7 +409,9 @@ class SpsTable:
                     engine=data["engine"], created_at=data["created_at"],
                     format_version=data["format_version"], meta=data.get("meta", {}),
                     draft_requests=data.get("draft_requests"), draft_seconds=data.get("draft_seconds"),
-                    draft_append_seconds=data.get("draft_append_seconds"), source=source)
+                    draft_append_seconds=data.get("draft_append_seconds"), batch_rows=data.get("batch_rows"),
+                    extra_tokens=data.get("extra_tokens"), rows_steps_per_s=data.get("rows_steps_per_s"),
+                    source=source)
         if not allow_flat:
             table.check_profiled(flat_rtol)
         return table
@@ -350,35 +459,16 @@ def profile_sps(
     called before the clock stops). Raises FlatCostTableError rather than return a table
     that only looks profiled.
     """
-    from tqdm.auto import tqdm
-
     counts = sorted(set(int(b) for b in token_counts))
     if len(counts) < 2 or counts[0] < 1:
         raise ValueError(f"token_counts needs at least 2 distinct counts >= 1, got {counts}")
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
-    for b in counts:
-        for _ in range(warmup):
-            step_fn(b)
-        if sync is not None:
-            sync()
-    times: dict[int, list[float]] = {b: [] for b in counts}
-    with tqdm(total=repeats * len(counts), desc="profiling SPS", unit="step", disable=not progress) as bar:
-        for sweep in range(repeats):
-            k = sweep % len(counts)
-            for b in counts[k:] + counts[:k]:
-                t0 = timer()
-                step_fn(b)
-                if sync is not None:
-                    sync()
-                times[b].append(timer() - t0)
-                bar.update()
+    medians = time_interleaved(step_fn, counts, warmup, repeats, sync=sync, progress=progress, desc="profiling SPS",
+                               timer=timer)
     sps: list[float] = []
     for b in counts:
-        median = statistics.median(times[b])
-        if not median > 0:
-            raise SpsTableError(f"<profile of {engine or 'engine'}>: step at {b} tokens timed {median!r} s")
-        sps.append(1.0 / median)
+        if not medians[b] > 0:
+            raise SpsTableError(f"<profile of {engine or 'engine'}>: step at {b} tokens timed {medians[b]!r} s")
+        sps.append(1.0 / medians[b])
     table = SpsTable(tokens=counts, steps_per_s=sps, device=device, engine=engine,
                      meta={"warmup": warmup, "repeats": repeats, "statistic": "median", "order": "interleaved sweeps"},
                      source=f"<profile of {engine or 'engine'} on {device}>")
@@ -387,17 +477,101 @@ def profile_sps(
     return table
 
 
+SpsLike = Any  # torch.Tensor [N+1] | SpsTable | sequence of floats
+
+
+def dense_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
+    """Dense steps/s array [N+1] (float64, CPU); index = batch tokens, entry 0 unused.
+
+    An ``SpsTable`` is expanded up to ``max_tokens`` (default: its largest profiled count);
+    batches past the end of the array are never scheduled.
+    """
+    if isinstance(sps, SpsTable):
+        sps = sps.as_tensor(max_tokens)
+    elif max_tokens is not None:
+        raise ValueError("max_tokens applies only to an SpsTable; slice a dense sps array yourself")
+    t = torch.as_tensor(sps, dtype=torch.float64).detach().cpu().reshape(-1)
+    if t.numel() < 2:
+        raise ValueError(f"sps must cover at least batch size 1 (length >= 2), got length {t.numel()}")
+    if not bool((torch.isfinite(t[1:]) & (t[1:] >= 0)).all()):
+        raise ValueError("sps entries must be finite and >= 0")
+    return t
+
+
+class StepCosts:
+    """Dense steps/s arrays ``[N+1]`` for a batch of R rows (``costs(R)``): an ``SpsTable``'s curve
+    for R rows where it has the by-rows grid, else one array for every R (a table's 1-D curve,
+    a dense array or a sequence), expanded up to ``max_tokens`` (a table's default: its largest
+    profiled count). Arrays are built once per R."""
+
+    def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
+        if isinstance(sps, StepCosts):
+            if max_tokens is not None:
+                raise ValueError("max_tokens applies to an SpsTable, not to StepCosts")
+            self.table, self.max_tokens, self._flat = sps.table, sps.max_tokens, sps._flat
+        elif isinstance(sps, SpsTable) and sps.has_rows:
+            self.table, self.max_tokens, self._flat = sps, max_tokens or sps.tokens[-1], None
+        else:
+            self.table, self.max_tokens, self._flat = None, max_tokens, dense_sps(sps, max_tokens)
+        self._by_rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether the price of a step depends on its rows (a by-rows grid)."""
+        return self._flat is None
+
+    def __call__(self, rows: int) -> torch.Tensor:
+        if self._flat is not None:
+            return self._flat
+        t = self._by_rows.get(rows)
+        if t is None:
+            t = self._by_rows[rows] = dense_sps(self.table.as_tensor(self.max_tokens, rows=max(rows, 1)))
+        return t
+
+
+def time_interleaved(step_fn: Callable[[Any], None], keys: Sequence[Any], warmup: int, repeats: int, *,
+                     sync: Callable[[], None] | None = None, progress: bool = True, desc: str = "profiling",
+                     timer: Callable[[], float] = time.perf_counter) -> dict[Any, float]:
+    """Median seconds of ``step_fn(key)`` per key: ``warmup`` untimed calls per key, then
+    ``repeats`` sweeps over all keys, each starting one key further along (``profile_sps``
+    says why); ``sync`` runs before each clock stop."""
+    from tqdm.auto import tqdm
+
+    keys = list(keys)
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
+    for key in keys:
+        for _ in range(warmup):
+            step_fn(key)
+        if sync is not None:
+            sync()
+    times: dict[Any, list[float]] = {key: [] for key in keys}
+    with tqdm(total=repeats * len(keys), desc=desc, unit="step", disable=not progress) as bar:
+        for sweep in range(repeats):
+            k = sweep % len(keys)
+            for key in keys[k:] + keys[:k]:
+                t0 = timer()
+                step_fn(key)
+                if sync is not None:
+                    sync()
+                times[key].append(timer() - t0)
+                bar.update()
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def plot_sps(table: SpsTable, path: str | Path, max_tokens: int | None = None) -> Path:
-    """Plot profiled points, the dense curve the scheduler uses, and tokens/s; save to ``path``."""
+    """Plot profiled points, the dense curve the scheduler uses, and tokens/s; with a by-rows grid,
+    a second panel: each row count's step time against the drafts it verifies. Save to ``path``."""
     # a bare Figure on the Agg canvas: no pyplot state, no global backend switch
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     dense = table.as_tensor(max_tokens)
     b = torch.arange(dense.numel())
-    fig = Figure(figsize=(7, 4.2))
+    panels = 2 if table.has_rows else 1
+    fig = Figure(figsize=(7 * panels, 4.2))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = fig.add_subplot(1, panels, 1)
     ax.plot(b[1:].numpy(), dense[1:].numpy(), color="C0", label="scheduler SPS (smoothed, interpolated)")
     ax.scatter(table.tokens, table.steps_per_s, color="C1", s=18, zorder=3, label="profiled")
     ax.set_xlabel("batch tokens B")
@@ -409,6 +583,18 @@ def plot_sps(table: SpsTable, path: str | Path, max_tokens: int | None = None) -
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="best", fontsize=8)
     ax.set_title(f"SPS: {table.engine or 'engine'} on {table.device}", fontsize=10)
+    if table.has_rows:
+        ax3 = fig.add_subplot(1, 2, 2)
+        for i, R in enumerate(table.batch_rows):
+            extra = torch.arange(table.extra_tokens[i][-1] + 1)
+            ax3.plot(extra.numpy(), (1000.0 / table.as_tensor(R + extra[-1].item(), rows=R)[R:]).numpy(),
+                     color=f"C{i % 10}", label=f"{R} rows")
+            ax3.scatter(table.extra_tokens[i], [1000.0 / s for s in table.rows_steps_per_s[i]], color=f"C{i % 10}", s=12)
+        ax3.set_xscale("symlog", linthresh=1)
+        ax3.set_xlabel("drafts verified beyond the rows' anchors")
+        ax3.set_ylabel("ms / step")
+        ax3.legend(fontsize=8)
+        ax3.set_title("steps by rows (scheduler curves, profiled points)", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,21 +27,12 @@ import torch
 from tqdm import tqdm
 
 from dspark.engine import threads
+from dspark.engine.bench import prime_cache
 from dspark.engine.target_runner import TargetRunner
 from dspark.training.config import load_target_profile
 from dspark.training.target import load_target
 
 SIDES = {"block": 16, "per_token": 1}
-
-
-def prime(runner: TargetRunner, rows: int, context: int) -> None:
-    """Write ``context`` real positions into the cache of slots ``0..rows-1`` (the cache starts
-    uninitialised, and the steps below read those positions)."""
-    for first in range(0, rows, 8):
-        slots = list(range(first, min(first + 8, rows)))
-        for r in slots:
-            runner.set_length(r, 0)
-        runner.forward(slots, [[7 + (r % 50)] * context for r in slots], last_logits_only=True)
 
 
 def _step(runner: TargetRunner, rows: int, tokens: int, context: int):
@@ -60,7 +51,7 @@ def _time(runner: TargetRunner, rows: int, tokens: int, context: int, iters: int
 
 def run(runner: TargetRunner, shapes: list[tuple[int, int]], context: int, rounds: int, iters: int) -> list[dict]:
     records = []
-    prime(runner, max(r for r, _ in shapes), context)
+    prime_cache(runner, max(r for r, _ in shapes), context)
     for rows, tokens in tqdm(shapes, desc="shapes"):
         times = {side: [] for side in SIDES}
         same = True

@@ -326,3 +326,17 @@ def test_a_pass_cheaper_than_the_free_share_of_a_step_always_runs():
     assert gate.rows_to_draft(64) == 0  # 64 ms is not
     with pytest.raises(ValueError, match="free_share"):
         DraftGate(table, max_tokens=8, free_share=1.0)
+
+
+def test_the_gate_prices_a_step_by_its_rows_where_the_table_has_the_grid():
+    """Beside 4 rows a verified draft costs 0.1 s on the grid; the 1-D curve (rows of K+1 tokens) says 0.01."""
+    table = _table(draft_seconds=0.0, verify_slope=0.01)
+    gate_1d = DraftGate(table, max_tokens=64, prior_rows=0.0)
+    table_rows = _table(draft_seconds=0.0, verify_slope=0.01)
+    table_rows.set_rows_grid([1, 4], [[0, 8], [0, 8]], [[1.0, 1 / 1.08], [1 / 1.2, 1 / 2.0]])
+    gate = DraftGate(table_rows, max_tokens=64, prior_rows=0.0)
+    for g in (gate_1d, gate):
+        g.observe(requests=4, verified=8, accepted=2)  # per request: 2 verified, 0.5 accepted
+    assert gate._step_time(4) == pytest.approx(1.2) and gate._step_time(4, 6) == pytest.approx(1.4)
+    assert gate.expected_gain(4) == pytest.approx((4 + 2) / 4 * 1.2 / 2.0)  # 8 drafts beside 4 rows: 2.0 s
+    assert gate.expected_gain(4) < 1.0 < gate_1d.expected_gain(4)

@@ -132,7 +132,7 @@ def test_algorithm1_takes_an_sps_table_object():
     lens = Algorithm1Scheduler(table)(conf)
     assert torch.equal(lens, schedule_prefix(conf, table.as_tensor(), early_stop=True))
     policy = AsyncScheduler(table, max_tokens=128)
-    assert policy.sps.shape == (129,), "max_tokens extends the table past its last profiled count"
+    assert policy.sps(4).shape == (129,), "max_tokens extends the table past its last profiled count"
     with pytest.raises(ValueError, match="max_tokens"):
         Algorithm1Scheduler(table.as_tensor(), max_tokens=128)
 
@@ -322,7 +322,7 @@ def test_no_slowdown_admits_a_prefix_of_algorithm1s_choice_and_keeps_waiting_row
     ns, a1 = NoSlowdownScheduler(sps, max_debt=2.0), Algorithm1Scheduler(sps)
     ids = [f"r{i}" for i in range(R)]
     cap = torch.tensor([K if i % 2 == 0 else 0 for i in range(R)])
-    bound = -2.0 * step_time(ns.sps, R) - 1e-12
+    bound = -2.0 * step_time(ns.sps(R), R) - 1e-12
     verified = []
     for _ in range(40):
         conf = torch.rand(R, K, generator=g, dtype=torch.float64) ** 0.3
@@ -343,8 +343,8 @@ def test_no_slowdown_credit_is_the_time_accepted_drafts_saved_minus_the_extra_st
     n = int(lens.sum())
     assert n > 0 and int(lens[1]) == 0
     ns.observe(["a", "b"], [2, 0])
-    extra = step_time(ns.sps, 2 + n) - step_time(ns.sps, 2)
-    assert ns.credit["a"] == pytest.approx(2 * step_time(ns.sps, 2) - extra)
+    extra = step_time(ns.sps(2), 2 + n) - step_time(ns.sps(2), 2)
+    assert ns.credit["a"] == pytest.approx(2 * step_time(ns.sps(2), 2) - extra)
     assert ns.credit["b"] == pytest.approx(-extra)
     ns(conf[:1], None, ["a"])  # b has left: its credit goes
     assert set(ns.credit) == {"a"}
@@ -370,3 +370,31 @@ def test_guarded_walk_stops_where_a_row_runs_out_of_slack():
         slack = torch.tensor([0.0, step_time(sps, 2 + tokens) - t2 + 1e-12], dtype=torch.float64)
         lens = guarded_schedule_prefix(conf, sps, cap, slack)
         assert lens.tolist() == [tokens, 0], tokens
+
+
+def _rows_priced_table() -> SpsTable:
+    """A 1-D curve on which drafts look nearly free, and a by-rows grid on which, beside 4 one-token
+    rows, a draft costs as much as a row (a compute-bound batch)."""
+    table = SpsTable(tokens=[1, 8, 64], steps_per_s=[10.0, 9.9, 9.0])
+    table.set_rows_grid([1, 4], [[0, 4, 8], [0, 4, 16]],
+                        [[10.0, 9.9, 9.8], [1 / 0.4, 1 / 0.8, 1 / 2.0]])
+    return table
+
+
+@pytest.mark.parametrize("name", ["algorithm1", "no_slowdown", "async"])
+def test_hardware_aware_policies_price_a_step_by_its_rows(name):
+    table = _rows_priced_table()
+    flat = SpsTable(tokens=table.tokens, steps_per_s=table.steps_per_s)  # the same 1-D curve, no grid
+    conf = torch.full((4, K), 0.9)
+    by_rows = make_scheduler(name, sps=table, max_tokens=64)
+    assert int(by_rows(conf).sum()) == 0, "beside 4 rows a 0.9 draft costs more than the 0.9 row it saves"
+    assert int(make_scheduler(name, sps=flat, max_tokens=64)(conf).sum()) > 0, "the 1-D curve prices drafts free"
+    one = make_scheduler(name, sps=table, max_tokens=64)
+    assert int(one(conf[:1]).sum()) > 0, "one row: the 1-row curve, on which drafts are cheap"
+
+
+def test_expected_throughput_reads_the_curve_of_the_batch_rows():
+    table = _rows_priced_table()
+    conf = torch.full((4, K), 0.9)
+    lens = torch.tensor([1, 1, 1, 1])
+    assert expected_throughput(conf, lens, table) == pytest.approx((4 + 4 * 0.9) / 0.8)

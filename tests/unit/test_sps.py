@@ -62,6 +62,15 @@ def test_save_then_load_round_trips_every_field(tmp_path):
     (lambda d: d.update(draft_requests=[1], draft_seconds=[-0.1]), ">= 0"),
     (lambda d: d.update(draft_append_seconds=1e-5), "needs 'draft_requests'"),
     (lambda d: d.update(draft_requests=[1], draft_seconds=[0.1], draft_append_seconds=-1e-5), ">= 0"),
+    (lambda d: d.update(batch_rows=[1, 4]), "go together"),
+    (lambda d: d.update(batch_rows=[1, 4], extra_tokens=[[0, 2]], rows_steps_per_s=[[9.0, 8.0]]), "2 lists"),
+    (lambda d: d.update(batch_rows=[4, 1], extra_tokens=[[0, 2]] * 2, rows_steps_per_s=[[9.0, 8.0]] * 2),
+     "strictly increasing"),
+    (lambda d: d.update(batch_rows=[1], extra_tokens=[[1, 2]], rows_steps_per_s=[[9.0, 8.0]]), "starting at 0"),
+    (lambda d: d.update(batch_rows=[1], extra_tokens=[[0, 2, 2]], rows_steps_per_s=[[9.0, 8.0, 7.0]]),
+     "strictly increasing"),
+    (lambda d: d.update(batch_rows=[1], extra_tokens=[[0, 2]], rows_steps_per_s=[[9.0, 0.0]]), "> 0"),
+    (lambda d: d.update(batch_rows=[1], extra_tokens=[[0, 2]], rows_steps_per_s=[[9.0]]), "equal lists"),
 ])
 def test_loader_refuses_corrupt_tables_with_a_one_line_reason_naming_the_file(tmp_path, mutate, needle):
     data = _table().to_dict()
@@ -253,3 +262,84 @@ def test_profile_append_cost_times_a_real_drafter_per_appended_position():
     assert math.isfinite(seconds) and 0.0 <= seconds < 0.01  # per position and row: far under a pass
     with pytest.raises(ValueError, match="positions >= 2"):
         profile_append_cost(drafter, positions=1)
+
+
+def _rows_table() -> SpsTable:
+    """A grid whose 64-row steps cost more per draft than the 1-D curve's slope says (as on a CPU)."""
+    table = _table()
+    table.set_rows_grid([1, 4, 64], [[0, 4, 8], [0, 8, 32], [0, 1, 8, 64]],
+                        [[100.0, 98.0, 95.0], [90.0, 80.0, 50.0], [10.0, 9.8, 8.0, 4.0]])
+    return table
+
+
+def test_rows_grid_round_trips_and_a_table_without_it_prices_every_row_count_alike(tmp_path):
+    table = _rows_table()
+    assert table.has_rows and SpsTable.load(table.save(tmp_path / "sps.json")) == table
+    flat = _table()
+    assert not flat.has_rows and torch.equal(flat.as_tensor(64, rows=16), flat.as_tensor(64))
+
+
+def test_rows_curve_hits_the_profiled_points_of_each_row_count():
+    table = _rows_table()
+    for R, extras, rates in zip(table.batch_rows, table.extra_tokens, table.rows_steps_per_s):
+        dense = table.as_tensor(R + extras[-1], rows=R)
+        assert [dense[R + e].item() for e in extras] == pytest.approx(rates)
+        assert dense[1:R].tolist() == pytest.approx([rates[0]] * (R - 1)), "fewer tokens than rows: the plain step"
+
+
+def test_rows_curve_mixes_neighbouring_row_counts_at_the_same_extra_tokens():
+    table = _rows_table()
+    # 34 rows: halfway between 4 and 64 rows; 8 extra drafts were profiled at both
+    t4, t64 = 1 / 80.0, 1 / 8.0
+    assert 1 / table.as_tensor(64, rows=34)[34 + 8].item() == pytest.approx((t4 + t64) / 2)
+    # between profiled extra counts step time is linear: 64 rows, 4 extra is 3/7 of the way from +1 to +8
+    t1, t8 = 1 / 9.8, 1 / 8.0
+    assert 1 / table.as_tensor(128, rows=64)[64 + 4].item() == pytest.approx(t1 + 3 / 7 * (t8 - t1))
+
+
+def test_rows_curve_extrapolates_along_the_last_slope_and_in_proportion_to_rows():
+    table = _rows_table()
+    t8, t64 = 1 / 8.0, 1 / 4.0
+    slope = (t64 - t8) / 56
+    assert 1 / table.as_tensor(200, rows=64)[64 + 100].item() == pytest.approx(t64 + 36 * slope)
+    # 128 rows: the 64-row plain step twice over, the drafts priced as at 64 rows
+    t0 = 1 / 10.0
+    assert 1 / table.as_tensor(200, rows=128)[128].item() == pytest.approx(2 * t0)
+    assert 1 / table.as_tensor(200, rows=128)[128 + 8].item() == pytest.approx(2 * t0 + (t8 - t0))
+
+
+def test_rows_curve_is_isotonic_in_the_extra_tokens():
+    table = _table()
+    table.set_rows_grid([2], [[0, 1, 2, 4]], [[50.0, 52.0, 45.0, 40.0]])  # a noisy point faster than the plain step
+    dense = table.as_tensor(6, rows=2)[2:]
+    assert all(b <= a for a, b in zip(dense.tolist(), dense[1:].tolist()))
+
+
+def test_step_costs_price_by_rows_only_with_a_grid():
+    from dspark.engine.sps import StepCosts
+
+    table = _rows_table()
+    costs = StepCosts(table, 128)
+    assert costs.by_rows and torch.equal(costs(64), table.as_tensor(128, rows=64)) and costs(64) is costs(64)
+    flat = StepCosts(_table(), 128)
+    assert not flat.by_rows and flat(1) is flat(64)
+    assert torch.equal(StepCosts(costs)(4), costs(4))
+    with pytest.raises(ValueError, match="max_tokens applies"):
+        StepCosts(costs, 64)
+
+
+def test_plot_sps_draws_the_rows_panel(tmp_path):
+    path = plot_sps(_rows_table(), tmp_path / "sps.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_target_sps_times_the_rows_grid_on_a_real_target():
+    from dspark.engine.bench import profile_target_sps
+
+    from ..conftest import make_tiny_target
+
+    table = profile_target_sps(make_tiny_target(), 4, context=16, token_counts=[1, 4, 8, 16], repeats=1,
+                               allow_flat=True, batch_rows=[1, 3])
+    assert table.batch_rows == [1, 3]
+    assert table.extra_tokens == [[0, 1, 2, 4], [0, 1, 2, 4, 8]], "extras up to R * K, from ROW_EXTRA_TOKENS"
+    assert all(s > 0 and math.isfinite(s) for rates in table.rows_steps_per_s for s in rates)
