@@ -21,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -276,7 +278,7 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
     ``batch_rows``: also time the by-rows grid (``engine/sps.py``): for each R, a step of R rows
     of one token over ``context`` plus ``e`` drafts in blocks of K on the first rows, for e in
     ``ROW_EXTRA_TOKENS`` up to ``R * K`` (and ``max_tokens`` in all)."""
-    from .sps import profile_sps, time_interleaved
+    from .sps import profile_sps
     from .static_target import StaticTarget, with_static_steps
 
     rows_max = max([max(1, max_tokens // (block_size + 1)) + 1] + list(batch_rows or []))
@@ -302,14 +304,49 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
     table = profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
                         engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
     if batch_rows:
-        grid = [(R, e) for R in sorted(set(batch_rows)) for e in ROW_EXTRA_TOKENS
-                if e <= R * block_size and R + e <= max(max_tokens, R)]
-        medians = time_interleaved(lambda key: run(_row_sizes(*key, block_size)), grid, warmup, repeats, sync=sync,
-                                   desc="profiling rows")
         rs = sorted(set(batch_rows))
-        table.set_rows_grid(rs, [[e for R2, e in grid if R2 == R] for R in rs],
-                            [[1.0 / medians[(R2, e)] for R2, e in grid if R2 == R] for R in rs])
+        extras = {R: [e for e in ROW_EXTRA_TOKENS if e <= R * block_size and R + e <= max(max_tokens, R)] for R in rs}
+        seconds = time_rows_grid(lambda R, e: run(_row_sizes(R, e, block_size)), extras, warmup, repeats, sync=sync)
+        table.set_rows_grid(rs, [extras[R] for R in rs], [[1.0 / seconds[(R, e)] for e in extras[R]] for R in rs])
     return table
+
+
+def time_rows_grid(step: Callable[[int, int], None], extras: dict[int, list[int]], warmup: int, repeats: int,
+                   sync: Callable[[], None] | None = None, iters: int = 3) -> dict[tuple[int, int], float]:
+    """Seconds per step at each (R, e) of the by-rows grid (``extras[R]`` starts at 0), each
+    drafted point paired with its row count's plain step: every sweep times, for each R in
+    turn, the plain step and every e back to back (in an order that rotates from sweep to
+    sweep), each the mean of ``iters`` steps; a point is the plain step's median plus the
+    median over sweeps of its difference to that sweep's plain step. A draft's price is the
+    difference of two nearby times, so a slow spell of a shared host cancels out of it
+    instead of pricing the first draft beside 64 rows at nothing."""
+    def timed(R: int, e: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step(R, e)
+        if sync is not None:
+            sync()
+        return (time.perf_counter() - t0) / iters
+
+    for R, es in extras.items():
+        for e in es:
+            for _ in range(warmup):
+                step(R, e)
+    plain: dict[int, list[float]] = {R: [] for R in extras}
+    diffs: dict[tuple[int, int], list[float]] = {(R, e): [] for R, es in extras.items() for e in es[1:]}
+    with tqdm(total=repeats * sum(len(es) for es in extras.values()), desc="profiling rows", unit="point") as bar:
+        for sweep in range(repeats):
+            for R, es in extras.items():
+                k = sweep % len(es)
+                got = {e: timed(R, e) for e in es[k:] + es[:k]}
+                plain[R].append(got[0])
+                for e in es[1:]:
+                    diffs[(R, e)].append(got[e] - got[0])
+                bar.update(len(es))
+    out = {(R, 0): statistics.median(ts) for R, ts in plain.items()}
+    for (R, e), ds in diffs.items():
+        out[(R, e)] = out[(R, 0)] + max(statistics.median(ds), 0.0)
+    return out
 
 
 def prime_cache(runner: TargetRunner, rows: int, context: int) -> None:

@@ -216,7 +216,7 @@ class SpecEngine:
                 and isinstance(sps, SpsTable)):
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=self.suffix.cost().seconds,
-                         prior_rows=1.0, free_share=0.02)
+                         prior_rows=1.0, free_share=0.02, probe_budget=SUFFIX_PROBE_BUDGET)
 
     # -- the neural drafter's runner and backlog bound (tests and tools reach the drafter here) ------
     @property
@@ -799,6 +799,11 @@ PROBE_CANDIDATES = 2
 # of the default: a 2-row probe is cheap against a 64-row step, and the default would let probes come every few
 # dozen steps there.
 HYBRID_PROBE_BUDGET = 0.001
+# The share of a run the suffix gate may spend probing lookups that do not pay. A probe's price is its lookups and
+# the verify tokens it adds; a drafted step also costs the host its scheduling and bookkeeping, which the SPS table
+# does not price (about 2 ms beside 64 rows on a 2-core CPU, as much as a draft): at the default budget, probes came
+# every 4-5 steps at batch 64 and cost that batch about 0.5%.
+SUFFIX_PROBE_BUDGET = 0.001
 
 
 def _is_coupled(rule: str, seeded: bool) -> bool:

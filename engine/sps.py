@@ -61,9 +61,13 @@ Dense expansion (``as_tensor``), chosen on purpose:
 - ``sps[0]`` is unused by the scheduler (a batch always holds its R base tokens); it is
   set to ``sps[1]`` so the array has no holes.
 - By rows (``as_tensor(rows=R)``, with the grid): entry B is a step of R rows and B tokens,
-  ``t_R(B - R)``; each profiled row count's step times are fitted non-decreasing in the extra
-  tokens (isotonic) and interpolated linearly between its extra counts, past the last one
-  along its last slope; between two profiled row counts the two curves are mixed linearly
+  ``t_R(B - R)``. Each profiled row count's curve is fitted convex in the extra tokens
+  (``convex_from_start``): from the measured plain step, the price of one more draft never
+  falls as drafts are added and is never negative, which is what the hardware does (a step
+  goes from memory-bound to compute-bound as its tokens grow); timing noise or a tile size
+  that makes one small extra count look free is pooled into its neighbours, so the first
+  draft beside 64 rows is not priced at nothing. The fit is interpolated linearly between
+  extra counts, past the last one along its last slope; between two profiled row counts the two curves are mixed linearly
   at the same extra count; past the largest row count the plain step grows in proportion to
   rows (pessimistic) and the drafts cost what they cost there. Entries below R hold ``t_R(0)``.
 
@@ -100,6 +104,7 @@ __all__ = [
     "dense_sps",
     "plot_sps",
     "isotonic_non_decreasing",
+    "convex_from_start",
 ]
 
 SPS_FORMAT = "dspark-sps"
@@ -124,18 +129,32 @@ def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def isotonic_non_decreasing(values: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit of ``values`` (pool adjacent violators, equal weights)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
+def isotonic_non_decreasing(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """Least-squares non-decreasing fit of ``values`` (pool adjacent violators; equal weights
+    unless ``weights`` are given)."""
+    ws = [1.0] * len(values) if weights is None else [float(w) for w in weights]
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, ws):
+        blocks.append([float(v), w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, n2 = blocks.pop()
-            m1, n1 = blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
     out: list[float] = []
-    for mean, count in blocks:
-        out.extend([mean] * int(count))
+    for mean, _, count in blocks:
+        out.extend([mean] * count)
+    return out
+
+
+def convex_from_start(xs: Sequence[float], ts: Sequence[float]) -> list[float]:
+    """``ts`` at ``xs`` refitted so that the slope between neighbours never falls and is never
+    negative, from ``ts[0]``: the slopes' least-squares non-decreasing fit, each weighted by the
+    interval it spans (a pooled stretch keeps its total rise), then clamped at 0."""
+    slopes = [(t1 - t0) / (x1 - x0) for x0, x1, t0, t1 in zip(xs, xs[1:], ts, ts[1:])]
+    fit = isotonic_non_decreasing(slopes, [x1 - x0 for x0, x1 in zip(xs, xs[1:])])
+    out = [float(ts[0])]
+    for x0, x1, slope in zip(xs, xs[1:], fit):
+        out.append(out[-1] + max(slope, 0.0) * (x1 - x0))
     return out
 
 
@@ -342,7 +361,7 @@ class SpsTable:
         """Step seconds of profiled row count ``batch_rows[i]`` at ``extra`` drafts (float64)."""
         times = [1.0 / s for s in self.rows_steps_per_s[i]]
         if smooth == "isotonic":
-            times = isotonic_non_decreasing(times)
+            times = convex_from_start(self.extra_tokens[i], times)
         xs = torch.tensor(self.extra_tokens[i], dtype=torch.float64)
         ts = torch.tensor(times, dtype=torch.float64)
         idx = torch.searchsorted(xs, extra, right=True).clamp(1, xs.numel() - 1)

@@ -265,10 +265,11 @@ def test_profile_append_cost_times_a_real_drafter_per_appended_position():
 
 
 def _rows_table() -> SpsTable:
-    """A grid whose 64-row steps cost more per draft than the 1-D curve's slope says (as on a CPU)."""
+    """A grid whose 64-row steps cost more per draft than the 1-D curve's slope says (as on a CPU);
+    each row count's step times are convex in the drafts, so the fit keeps them."""
     table = _table()
     table.set_rows_grid([1, 4, 64], [[0, 4, 8], [0, 8, 32], [0, 1, 8, 64]],
-                        [[100.0, 98.0, 95.0], [90.0, 80.0, 50.0], [10.0, 9.8, 8.0, 4.0]])
+                        [[100.0, 98.0, 95.0], [90.0, 80.0, 50.0], [10.0, 1 / 0.102, 1 / 0.116, 4.0]])
     return table
 
 
@@ -290,16 +291,16 @@ def test_rows_curve_hits_the_profiled_points_of_each_row_count():
 def test_rows_curve_mixes_neighbouring_row_counts_at_the_same_extra_tokens():
     table = _rows_table()
     # 34 rows: halfway between 4 and 64 rows; 8 extra drafts were profiled at both
-    t4, t64 = 1 / 80.0, 1 / 8.0
+    t4, t64 = 1 / 80.0, 0.116
     assert 1 / table.as_tensor(64, rows=34)[34 + 8].item() == pytest.approx((t4 + t64) / 2)
     # between profiled extra counts step time is linear: 64 rows, 4 extra is 3/7 of the way from +1 to +8
-    t1, t8 = 1 / 9.8, 1 / 8.0
+    t1, t8 = 0.102, 0.116
     assert 1 / table.as_tensor(128, rows=64)[64 + 4].item() == pytest.approx(t1 + 3 / 7 * (t8 - t1))
 
 
 def test_rows_curve_extrapolates_along_the_last_slope_and_in_proportion_to_rows():
     table = _rows_table()
-    t8, t64 = 1 / 8.0, 1 / 4.0
+    t8, t64 = 0.116, 1 / 4.0
     slope = (t64 - t8) / 56
     assert 1 / table.as_tensor(200, rows=64)[64 + 100].item() == pytest.approx(t64 + 36 * slope)
     # 128 rows: the 64-row plain step twice over, the drafts priced as at 64 rows
@@ -308,11 +309,20 @@ def test_rows_curve_extrapolates_along_the_last_slope_and_in_proportion_to_rows(
     assert 1 / table.as_tensor(200, rows=128)[128 + 8].item() == pytest.approx(2 * t0 + (t8 - t0))
 
 
-def test_rows_curve_is_isotonic_in_the_extra_tokens():
+def test_rows_curve_is_convex_in_the_extra_tokens_from_the_plain_step():
     table = _table()
-    table.set_rows_grid([2], [[0, 1, 2, 4]], [[50.0, 52.0, 45.0, 40.0]])  # a noisy point faster than the plain step
-    dense = table.as_tensor(6, rows=2)[2:]
-    assert all(b <= a for a, b in zip(dense.tolist(), dense[1:].tolist()))
+    # timing noise makes the second draft dear and the later ones cheap; a step faster than the plain one
+    table.set_rows_grid([2, 4], [[0, 1, 2, 4, 8], [0, 1, 2]], [[1 / 1.0, 1 / 1.0, 1 / 1.3, 1 / 1.5, 1 / 1.9],
+                                                              [1 / 2.0, 1 / 1.9, 1 / 2.2]])
+    t = (1.0 / table.as_tensor(10, rows=2)[2:]).tolist()
+    slopes = [b - a for a, b in zip(t, t[1:])]
+    assert t[0] == pytest.approx(1.0), "anchored at the measured plain step"
+    assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:])) and min(slopes) >= 0.0
+    assert t[1] == pytest.approx(1.0), "a flat start is convex (a memory-bound step)"
+    assert t[2] == pytest.approx(1.0 + 0.9 / 7), "drafts 2..8 pooled: 0.9 s over 7 drafts"
+    assert t[8] == pytest.approx(1.9), "a pooled stretch keeps its total rise"
+    t4 = (1.0 / table.as_tensor(10, rows=4)[4:]).tolist()
+    assert t4[:3] == pytest.approx([2.0, 2.0, 2.3]), "a falling slope is clamped at 0: never below the plain step"
 
 
 def test_step_costs_price_by_rows_only_with_a_grid():
@@ -343,3 +353,21 @@ def test_profile_target_sps_times_the_rows_grid_on_a_real_target():
     assert table.batch_rows == [1, 3]
     assert table.extra_tokens == [[0, 1, 2, 4], [0, 1, 2, 4, 8]], "extras up to R * K, from ROW_EXTRA_TOKENS"
     assert all(s > 0 and math.isfinite(s) for rates in table.rows_steps_per_s for s in rates)
+
+
+def test_rows_grid_prices_a_draft_by_its_difference_to_the_same_sweeps_plain_step(monkeypatch):
+    """A host that slows down 3x for one whole sweep: each draft's price still comes out exact."""
+    from dspark.engine import bench
+
+    clock, calls = [0.0], [0]
+    warm, per_sweep = 3 * 4, 2 * 4  # warm-up calls (3 per point); timed calls per sweep (2 per point)
+
+    def step(R: int, e: int) -> None:
+        calls[0] += 1
+        in_second_sweep = warm < calls[0] and (calls[0] - warm - 1) // per_sweep == 1
+        clock[0] += (3.0 if in_second_sweep else 1.0) + 0.1 * e  # a plain step of 1 s (3 s in the slow spell)
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    out = bench.time_rows_grid(step, {4: [0, 1, 2, 8]}, warmup=3, repeats=3, iters=2)
+    assert out[(4, 0)] == pytest.approx(1.0)  # median of 1, 3, 1
+    assert [out[(4, e)] - out[(4, 0)] for e in (1, 2, 8)] == pytest.approx([0.1, 0.2, 0.8])
