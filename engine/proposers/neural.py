@@ -210,13 +210,12 @@ class NeuralProposer(Proposer):
     def settle(self, slots: Sequence[int]) -> None:
         """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
-        if self.idle:  # a slot outside ``keep`` was cut as its positions came (``commit_many``): nothing to cut
-            for s in slots if self.keep is None else self.keep.intersection(slots):
-                st = self._slots.get(s)
-                if st is not None:
-                    self._idle_cut(st, st.paired)
-            return
         live = [s for s in slots if s in self._slots]
+        if self.idle:
+            for s in live:
+                st = self._slots[s]
+                self._idle_cut(st, st.paired)
+            return
         self._flush([s for s in live if self._slots[s].backlog >= self.max_backlog_tokens])
 
     def release(self, slot: int) -> None:
