@@ -18,7 +18,9 @@ ride in the same step and wait for the same drafter pass:
 
 so a pass that pays for one request alone can cost a batch more than it gains. ``step_time``
 is the SPS table's, for a step of that many rows where the table prices by rows
-(``engine/sps.py``). A and V
+(``engine/sps.py``). When P prompt tokens of newly admitted requests ride in the same target
+pass (fused prefill), both steps carry them, ``step_time(B + P)`` and ``step_time(B + n V + P)``:
+beside a prefill a draft costs a smaller share of the step. A and V
 come from realised counts, so the gate also works for
 drafters without a confidence head, and both are averages over request-steps (rows), not
 over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
@@ -127,25 +129,27 @@ class DraftGate:
         """Estimated drafts verified per request on a drafted step; None before any."""
         return None if self._rows == 0.0 else self._verified / self._rows
 
-    def _step_time(self, rows: int, tokens: int | None = None) -> float:
-        """Seconds of a step of ``rows`` rows and ``tokens`` tokens (default one per row)."""
+    def _step_time(self, rows: int, tokens: int | None = None, extra_tokens: int = 0) -> float:
+        """Seconds of a step of ``rows`` rows and ``tokens`` tokens (default one per row), plus
+        ``extra_tokens`` prompt tokens in the same pass."""
         seconds = self._seconds.get(rows)
         if seconds is None:
             seconds = self._seconds[rows] = (1.0 / self._costs(rows)).tolist()
-        tokens = rows if tokens is None else tokens
+        tokens = (rows if tokens is None else tokens) + extra_tokens
         last = len(seconds) - 1
         if tokens <= last:
             return seconds[tokens]
         return seconds[last] * tokens / last  # compute bound beyond the table
 
-    def expected_gain(self, requests: int, batch_rows: int | None = None) -> float:
+    def expected_gain(self, requests: int, batch_rows: int | None = None, extra_tokens: int = 0) -> float:
         """Predicted output rate of a step that drafts ``requests`` rows over a plain one (>=1: draft),
-        in a step of ``batch_rows`` rows (default: those rows alone)."""
+        in a step of ``batch_rows`` rows (default: those rows alone) and ``extra_tokens`` prompt tokens."""
         if self.accepted is None:
             return float("inf")
         batch = _step_rows(requests, batch_rows)
-        t_plain = self._step_time(batch)
-        t_drafted = self.draft_time(requests) + self._step_time(batch, batch + round(requests * self.verified))
+        t_plain = self._step_time(batch, extra_tokens=extra_tokens)
+        t_drafted = self.draft_time(requests) + self._step_time(
+            batch, batch + round(requests * self.verified), extra_tokens)
         return (batch + requests * self.accepted) / batch * t_plain / t_drafted
 
     def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None) -> float:
@@ -173,15 +177,16 @@ class DraftGate:
             return not cheap and min(self.probe_rows, requests) < requests
         return self.skipping
 
-    def rows_to_draft(self, requests: int, batch_rows: int | None = None) -> int:
+    def rows_to_draft(self, requests: int, batch_rows: int | None = None, extra_tokens: int = 0) -> int:
         """How many of ``requests`` rows draft this step, in a step of ``batch_rows`` rows (default
-        ``requests``; the others ride along): all when drafting is predicted to pay, none when it is
-        not, ``min(probe_rows, requests)`` on a probe step."""
-        if self.draft_time(requests) < self.free_share * self._step_time(_step_rows(requests, batch_rows)):
+        ``requests``; the others ride along) and ``extra_tokens`` prompt tokens: all when drafting is
+        predicted to pay, none when it is not, ``min(probe_rows, requests)`` on a probe step."""
+        batch = _step_rows(requests, batch_rows)
+        if self.draft_time(requests) < self.free_share * self._step_time(batch, extra_tokens=extra_tokens):
             rows = requests  # too cheap to gate
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
-        elif self.expected_gain(requests, batch_rows) >= 1.0:  # ties draft: nothing to lose
+        elif self.expected_gain(requests, batch_rows, extra_tokens) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0
             self.probe = self.min_probe
             rows = requests
@@ -216,13 +221,14 @@ def _step_rows(requests: int, batch_rows: int | None) -> int:
 
 
 def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int],
-               batch_rows: int | None = None) -> list[int]:
-    """The rows of ``rows`` (of a step of ``batch_rows`` rows, default ``len(rows)``) that draft this
-    step: every one without a gate, else as many as ``gate.rows_to_draft`` allows, those that drafted
-    least recently (``last_drafted[i]``, an engine round) first, ties by row; in row order."""
+               batch_rows: int | None = None, extra_tokens: int = 0) -> list[int]:
+    """The rows of ``rows`` (of a step of ``batch_rows`` rows, default ``len(rows)``, with
+    ``extra_tokens`` prompt tokens) that draft this step: every one without a gate, else as many as
+    ``gate.rows_to_draft`` allows, those that drafted least recently (``last_drafted[i]``, an engine
+    round) first, ties by row; in row order."""
     if not rows or gate is None:
         return rows
-    n = gate.rows_to_draft(len(rows), batch_rows)
+    n = gate.rows_to_draft(len(rows), batch_rows, extra_tokens)
     if n == len(rows):
         return rows
     return sorted(least_recent(rows, last_drafted, n))

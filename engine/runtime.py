@@ -321,8 +321,9 @@ class SpecEngine:
             chunks = []
         if decoding:
             temps = torch.tensor([r.params.temperature for r in decoding])
-            batch = self._propose(decoding, temps)
-            lens = self._schedule(decoding, batch)
+            fused = sum(n for _, n in chunks)  # prompt tokens in this step's target pass: part of its price
+            batch = self._propose(decoding, temps, fused)
+            lens = self._schedule(decoding, batch, fused)
             res, out, L, prefill_out = self._verify_round(decoding, batch, lens, temps, chunks)
             self._commit(decoding, batch, lens, res, out, L)
             if chunks:
@@ -446,7 +447,7 @@ class SpecEngine:
             caps.append(max(0, min(self.K, remaining - 1, room)))
         return torch.tensor(caps, dtype=torch.long)
 
-    def _neural_rows(self, reqs: list[_Request], suffix: DraftBatch | None) -> list[int]:
+    def _neural_rows(self, reqs: list[_Request], suffix: DraftBatch | None, fused_tokens: int = 0) -> list[int]:
         """Rows of ``reqs`` that run the neural pass this step.
 
         A row whose suffix proposal already wins, i.e. expects at least as many accepted drafts
@@ -465,7 +466,8 @@ class SpecEngine:
             # an empty suffix proposal leaves nothing to the suffix: such a row stays a candidate even
             # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
-        return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs))
+        return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs),
+                          extra_tokens=fused_tokens)
 
     def _neural_estimate(self) -> float:
         """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running
@@ -476,8 +478,9 @@ class SpecEngine:
         st = self.stats.by_proposer.get(self.neural.name)
         return st.accepted_per_round if st is not None and st.rounds else float("inf")
 
-    def _propose(self, reqs: list[_Request], temps: torch.Tensor) -> DraftBatch:
-        """Every row's proposal for this round (one row per request, width ``K`` at most).
+    def _propose(self, reqs: list[_Request], temps: torch.Tensor, fused_tokens: int = 0) -> DraftBatch:
+        """Every row's proposal for this round (one row per request, width ``K`` at most);
+        ``fused_tokens`` prompt tokens ride in the same target pass (the gates price them).
 
         The suffix proposer (deterministic) drafts every row first; the neural pass runs only for
         ``_neural_rows``. A row with both takes the suffix proposal where it expects more accepted
@@ -489,13 +492,14 @@ class SpecEngine:
         suffix = None
         self._suffix_looked = []
         if self.suffix is not None:
-            looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs])
+            looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs],
+                                extra_tokens=fused_tokens)
             if looked:
                 suffix = _scatter(self.suffix.propose([slots[i] for i in looked], temps[looked]), looked, R)
                 for i in looked:
                     reqs[i].last_suffix = self.stats.decode_steps
             self._suffix_looked = looked
-        rows = self._neural_rows(reqs, suffix)
+        rows = self._neural_rows(reqs, suffix, fused_tokens)
         if self.neural is not None and not rows:
             self.stats.skipped_draft_steps += 1
         neural = None
@@ -520,14 +524,16 @@ class SpecEngine:
         use_neural = drafted & ~(free & suffix_wins)
         return DraftBatch.combine([suffix, neural], use_neural.long(), self.target.vocab_size)
 
-    def _schedule(self, reqs: list[_Request], batch: DraftBatch) -> torch.Tensor:
-        """Verify lengths [R]: the policy over the whole batch (its token count sets the step's
-        cost), each row capped by its drafts and by its request's room."""
+    def _schedule(self, reqs: list[_Request], batch: DraftBatch, fused_tokens: int = 0) -> torch.Tensor:
+        """Verify lengths [R]: the policy over the whole batch (its token count, with the
+        ``fused_tokens`` prompt tokens fused into the same pass, sets the step's cost), each row
+        capped by its drafts and by its request's room."""
         R = len(reqs)
         if batch.width == 0:
             return torch.zeros(R, dtype=torch.long)
         cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
-        return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs]).cpu()
+        return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs],
+                           extra_tokens=fused_tokens).cpu()
 
     def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor,
                       chunks: list[tuple[_Request, int]] = ()):

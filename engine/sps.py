@@ -102,6 +102,7 @@ __all__ = [
     "SpsLike",
     "StepCosts",
     "dense_sps",
+    "shift_sps",
     "plot_sps",
     "isotonic_non_decreasing",
     "convex_from_start",
@@ -517,11 +518,30 @@ def dense_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
     return t
 
 
+def shift_sps(sps: torch.Tensor, extra_tokens: int) -> torch.Tensor:
+    """A dense steps/s array for steps that also carry ``extra_tokens`` other tokens (prompt chunks
+    in the same target pass): entry b is the rate at ``b + extra_tokens``. Past the array's end a
+    step's time grows in proportion to its tokens, as it does where the step is compute bound (the
+    end of a table is its largest profiled step)."""
+    if extra_tokens <= 0:
+        return sps
+    n = sps.numel() - 1
+    at = torch.arange(n + 1, dtype=torch.long) + extra_tokens
+    inside = at <= n
+    out = torch.empty(n + 1, dtype=torch.float64)
+    out[inside] = sps.double()[at[inside]]
+    out[~inside] = float(sps[n]) * n / at[~inside].double()
+    out[0] = 0.0
+    return out
+
+
 class StepCosts:
     """Dense steps/s arrays ``[N+1]`` for a batch of R rows (``costs(R)``): an ``SpsTable``'s curve
     for R rows where it has the by-rows grid, else one array for every R (a table's 1-D curve,
     a dense array or a sequence), expanded up to ``max_tokens`` (a table's default: its largest
-    profiled count). Arrays are built once per R."""
+    profiled count). Arrays are built once per R. ``costs(R, extra_tokens=P)`` prices a step
+    whose target pass also carries P prompt tokens (``shift_sps``): the schedulers and gates
+    then see that a draft costs a smaller share of a step that prefills beside it."""
 
     def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
         if isinstance(sps, StepCosts):
@@ -539,13 +559,14 @@ class StepCosts:
         """Whether the price of a step depends on its rows (a by-rows grid)."""
         return self._flat is None
 
-    def __call__(self, rows: int) -> torch.Tensor:
+    def __call__(self, rows: int, extra_tokens: int = 0) -> torch.Tensor:
         if self._flat is not None:
-            return self._flat
-        t = self._by_rows.get(rows)
-        if t is None:
-            t = self._by_rows[rows] = dense_sps(self.table.as_tensor(self.max_tokens, rows=max(rows, 1)))
-        return t
+            t = self._flat
+        else:
+            t = self._by_rows.get(rows)
+            if t is None:
+                t = self._by_rows[rows] = dense_sps(self.table.as_tensor(self.max_tokens, rows=max(rows, 1)))
+        return shift_sps(t, extra_tokens)
 
 
 def time_interleaved(step_fn: Callable[[Any], None], keys: Sequence[Any], warmup: int, repeats: int, *,

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated sweep")
     ap.add_argument("--systems", default="spec,target_only", help="spec (ensemble), target_only (ensemble_target_only)")
-    ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 2 x concurrency, >= 12)")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 4 x concurrency, >= 12)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds per level (each runs every system once); rows are the median-throughput runs")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -6,6 +6,15 @@ concurrency, keep that many streaming requests in flight (closed loop) until
 end-to-end latency percentiles, output tokens/s, requests/s and accept_len; with the server's
 metrics URL also accept_len by proposer (the ``dspark_proposer_*`` counters over the run).
 
+Two throughputs per run. ``output tokens/s`` is the run's tokens over its wall time, the drain
+at the end included: once the last request is sent, fewer than ``concurrency`` streams remain,
+and the run ends with the slowest of them. ``sustained tokens/s`` is the tokens received while
+all ``concurrency`` streams were busy (from the first request sent to the last) over that
+window: the rate a server holds at that load, which is what a deployment at that concurrency
+sees. The two differ most for a system whose requests finish at different steps (speculative
+decoding accepts more for some requests than others, so its last requests trickle out), and
+least for target-only decoding of equal-length requests, which finish in waves.
+
 ``soak``: ``streams`` workers each send, back to back for ``minutes``, a streamed and a
 non-streamed greedy request for the same prompt and compare the texts; reports failed and
 mismatched requests and the server's memory (RSS of tritonserver + its python stubs).
@@ -20,7 +29,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -64,9 +73,24 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float |
     return {f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 90, 99)}
 
 
+def sustained_rate(results: list[Result]) -> tuple[float | None, float]:
+    """(tokens/s, seconds) over the window from the first request sent to the last, in which a
+    closed loop keeps every stream busy; None when no request finished inside it (every request
+    was sent at once: nothing was sustained)."""
+    if not results:
+        return None, 0.0
+    start = min(r.t_submit for r in results)
+    end = max(r.t_submit for r in results)
+    if end <= start or not any(r.t_done is not None and r.t_done <= end for r in results):
+        return None, max(end - start, 0.0)
+    tokens = sum(r.tokens_by(end) for r in results if r.error is None)
+    return tokens / (end - start), end - start
+
+
 def summarize(system: str, concurrency: int, results: list[Result], wall: float) -> dict:
     done = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in done)
+    sustained, window = sustained_rate(results)
     steps = sum(r.num_steps for r in done)
     accepted = sum(r.num_accepted_tokens for r in done)
     return {
@@ -77,6 +101,8 @@ def summarize(system: str, concurrency: int, results: list[Result], wall: float)
         "output_tokens": tokens,
         "wall_s": round(wall, 3),
         "output_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "sustained_tokens_per_s": None if sustained is None else round(sustained, 3),
+        "sustained_s": round(window, 3),
         "requests_per_s": round(len(done) / wall, 4) if wall > 0 else None,
         "ttft_ms": percentiles([r.ttft for r in done if r.ttft is not None]),
         "itl_ms": percentiles([r.itl for r in done if r.itl is not None]),
@@ -165,6 +191,9 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_re
 
 
 MIN_REQUESTS = 12  # per level: a few requests at concurrency 1 last seconds, too short for a noisy host
+# default requests per stream and level: the sustained window (first to last request sent) then
+# holds three replacements of every stream, not only the ramp-up of the first
+REQUESTS_PER_STREAM = 4
 
 
 def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[str], max_tokens: int,
@@ -187,7 +216,7 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
     for c in concurrencies:
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for _ in range(repeats):
-            n = num_requests or max(2 * c, MIN_REQUESTS)
+            n = num_requests or max(REQUESTS_PER_STREAM * c, MIN_REQUESTS)
             chosen = [prompts[(cursor + i) % len(prompts)] for i in range(n)]
             if cursor + n > len(prompts) >= cursor:
                 log(f"warning: {len(prompts)} prompts run out at concurrency {c}: from here prompts repeat, and a "
@@ -201,7 +230,8 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
                 row = summarize(system, c, results, wall)
                 row["by_proposer"] = proposer_window(before, scrape_proposer_counters(metrics_url))
                 runs[system].append(row)
-                log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
+                log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  "
+                    f"sustained {row['sustained_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
                     f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
                     f"accept_len {row['accept_len']}{_by_proposer_text(row['by_proposer'])}  failed {row['failed']}")
             rounds += 1
@@ -228,6 +258,7 @@ def combine_runs(runs: list[dict]) -> dict:
     row = dict(by_speed[(len(runs) - 1) // 2])
     row.update(repeats=len(runs), requests=sum(r["requests"] for r in runs), failed=sum(r["failed"] for r in runs),
                output_tokens_per_s_runs=[r["output_tokens_per_s"] for r in runs],
+               sustained_tokens_per_s_runs=[r.get("sustained_tokens_per_s") for r in runs],
                ttft_p50_ms_runs=[r["ttft_ms"]["p50"] for r in runs])
     return row
 
@@ -239,36 +270,56 @@ def device_label() -> str:
 
 def markdown(report: dict) -> str:
     lines = ["# Serving benchmark", "", f"Command: `{report['command']}`", "", f"Device: {report['device']}", "",
-             "| system | concurrency | output tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-             "e2e p50/p90/p99 ms | accept_len | accept_len by proposer | failed |",
-             "|---|---:|---:|---:|---|---|---|---:|---|---:|"]
+             "| system | concurrency | output tok/s | sustained tok/s | req/s | TTFT p50/p90/p99 ms | "
+             "ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | accept_len | accept_len by proposer | failed |",
+             "|---|---:|---:|---:|---:|---|---|---|---:|---|---:|"]
 
     def trio(d):
         return " / ".join("-" if d[k] is None else f"{d[k]:.0f}" if d[k] >= 10 else f"{d[k]:.1f}"
                           for k in ("p50", "p90", "p99"))
 
     for r in report["results"]:
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tokens_per_s']} | {r['requests_per_s']} | "
+        held = r.get("sustained_tokens_per_s")
+        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tokens_per_s']} | "
+                     f"{'-' if held is None else held} | {r['requests_per_s']} | "
                      f"{trio(r['ttft_ms'])} | {trio(r['itl_ms'])} | {trio(r['e2e_ms'])} | {r['accept_len']} | "
                      f"{_by_proposer_text(r.get('by_proposer')).strip(' ()') or '-'} | {r.get('failed', 0)} |")
     speedups = speedup_rows(report["results"])
     if speedups:
         repeats = max((r.get("repeats", 1) for r in report["results"]), default=1)
         lines += ["", "spec / target_only" + (f" (median of the {repeats} rounds' ratios)" if repeats > 1 else "")
-                  + ":", "", "| concurrency | output tok/s | TTFT p50 |", "|---:|---:|---:|"]
-        lines += [f"| {c} | {s:.2f}x | {'-' if t is None else f'{t:.2f}x'} |" for c, s, t in speedups]
+                  + ":", "", "| concurrency | output tok/s | sustained tok/s | TTFT p50 |", "|---:|---:|---:|---:|"]
+        lines += [f"| {x.concurrency} | {x.output:.2f}x | {_times(x.sustained)} | {_times(x.ttft)} |" for x in speedups]
+        lines += ["", "`output tok/s`: the run's tokens over its wall time, the drain at the end included (after the "
+                  "last request is sent fewer streams remain). `sustained tok/s`: tokens received while every stream "
+                  "was busy (first request sent to last) over that window, the rate held at that concurrency."]
     if any(r.get("by_proposer") for r in report["results"]):
         lines += ["", "`accept_len by proposer`: tokens per verify round over the rounds each proposer drafted, from the "
                   "server's `dspark_proposer_*` counters over the run (rounds without drafts not counted)."]
     return "\n".join(lines) + "\n"
 
 
-def speedup_rows(rows: list[dict]) -> list[tuple[int, float, float | None]]:
-    """(concurrency, spec / target_only output tokens/s, spec / target_only TTFT p50) per level.
-    With repeats, each is the median of the ratios of the runs made in the same round."""
+class Speedup(NamedTuple):
+    """spec / target_only at one concurrency; with repeats, each the median of same-round ratios."""
+    concurrency: int
+    output: float  # output tokens/s (whole run)
+    sustained: float | None  # sustained tokens/s (every stream busy); None where a run had none
+    ttft: float | None  # TTFT p50
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def speedup_rows(rows: list[dict]) -> list[Speedup]:
+    """spec / target_only per level: output tokens/s, sustained tokens/s and TTFT p50. With repeats,
+    each is the median of the ratios of the runs made in the same round."""
     def ratios(a: dict, b: dict, runs_key: str, single) -> list[float]:
         pairs = zip(a.get(runs_key) or [single(a)], b.get(runs_key) or [single(b)])
         return [x / y for x, y in pairs if x is not None and y]
+
+    def median_or_none(values: list[float], complete: int) -> float | None:
+        return statistics.median(values) if values and len(values) == complete else None
 
     base = {r["concurrency"]: r for r in rows if r["system"] == "target_only"}
     out = []
@@ -277,9 +328,11 @@ def speedup_rows(rows: list[dict]) -> list[tuple[int, float, float | None]]:
         if r["system"] != "spec" or b is None:
             continue
         tok = ratios(r, b, "output_tokens_per_s_runs", lambda x: x["output_tokens_per_s"])
+        held = ratios(r, b, "sustained_tokens_per_s_runs", lambda x: x.get("sustained_tokens_per_s"))
         ttft = ratios(r, b, "ttft_p50_ms_runs", lambda x: x["ttft_ms"]["p50"])
         if tok:
-            out.append((r["concurrency"], statistics.median(tok), statistics.median(ttft) if ttft else None))
+            out.append(Speedup(r["concurrency"], statistics.median(tok), median_or_none(held, len(tok)),
+                               statistics.median(ttft) if ttft else None))
     return out
 
 
@@ -293,7 +346,10 @@ def plot(report: dict, path: Path) -> None:
     for system in sorted({r["system"] for r in report["results"]}):
         rows = sorted((r for r in report["results"] if r["system"] == system), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
-        axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=system)
+        line, = axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=system)
+        held = [(x, r.get("sustained_tokens_per_s")) for x, r in zip(xs, rows) if r.get("sustained_tokens_per_s")]
+        if held:
+            axes[0].plot(*zip(*held), "s--", color=line.get_color(), alpha=0.7, label=f"{system} (sustained)")
         axes[1].plot(xs, [r["ttft_ms"]["p50"] for r in rows], "o-", label=system)
         axes[2].plot(xs, [r["itl_ms"]["p50"] for r in rows], "o-", label=system)
     levels = sorted({r["concurrency"] for r in report["results"]})

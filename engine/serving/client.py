@@ -21,6 +21,8 @@ class Result:
     t_submit: float
     chunks: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
+    # (arrival time, sequence_length so far) of every response that carried outputs
+    token_times: list[tuple[float, int]] = field(default_factory=list)
     tokens: int = 0  # sequence_length of the last response
     finish_reason: str = ""
     accept_len: float = 0.0
@@ -49,6 +51,10 @@ class Result:
         if len(self.chunk_times) < 2 or self.tokens < 2:
             return None
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.tokens - 1)
+
+    def tokens_by(self, t: float) -> int:
+        """Output tokens received up to time ``t`` (``time.perf_counter()``)."""
+        return max((n for when, n in self.token_times if when <= t), default=0)
 
 
 def make_inputs(text: str, max_tokens: int, stream: bool, temperature: float | None = None,
@@ -139,7 +145,9 @@ class StreamClient:
                 res.chunks.append(text.decode("utf-8") if isinstance(text, bytes) else str(text))
                 res.chunk_times.append(now)
             n = _first(result, "sequence_length")
-            res.tokens = int(n) if n is not None else res.tokens
+            if n is not None:
+                res.tokens = int(n)
+                res.token_times.append((now, res.tokens))
             reason = _first(result, "finish_reason")
             if reason:
                 res.finish_reason = reason.decode() if isinstance(reason, bytes) else str(reason)

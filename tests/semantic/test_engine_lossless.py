@@ -82,6 +82,46 @@ def test_prompt_chunks_in_the_verify_pass_change_no_output(mode):
     assert outs[0] == outs[1]
 
 
+def test_the_scheduler_prices_the_prompt_tokens_fused_into_each_step():
+    """Algorithm 1 is told how many prompt tokens ride in the step's pass (none without fused
+    prefill), and the outputs stay those of target-only decoding."""
+    from dspark.engine.sps import SpsTable
+
+    target = make_tiny_target()
+    torch.manual_seed(3)
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    table = SpsTable(tokens=[1, 8, 64], steps_per_s=[100.0, 90.0, 20.0], device="cpu", engine="toy")
+    jobs = _jobs()
+    base, _ = _run_in_flight(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=3)), jobs)
+    for fused in (True, False):
+        engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=4,
+                                                          prefill_chunk=8, fused_prefill=fused), sps=table)
+        priced, carried = {}, {}
+        verify_round = engine._verify_round
+
+        class RecordingPolicy:
+            def __init__(self, inner, engine=engine, priced=priced):
+                self.inner, self.engine, self.priced = inner, engine, priced
+
+            def __call__(self, conf, cap=None, ids=None, extra_tokens=0):
+                self.priced[self.engine.stats.steps] = extra_tokens
+                return self.inner(conf, cap, ids, extra_tokens=extra_tokens)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        def recording_verify(reqs, batch, lens, temps, chunks, engine=engine, carried=carried, run=verify_round):
+            carried[engine.stats.steps] = sum(n for _, n in chunks)
+            return run(reqs, batch, lens, temps, chunks)
+        engine.policy, engine._verify_round = RecordingPolicy(engine.policy), recording_verify
+        spec, _ = _run_in_flight(engine, jobs)
+        assert priced and all(priced[step] == carried[step] for step in priced)
+        assert (max(priced.values()) > 0) == fused
+        for _, rid, _, params in jobs:
+            if params.temperature == 0:
+                assert spec[rid] == base[rid]
+
+
 def test_greedy_identity_holds_when_the_drafter_is_the_target_itself_accepting_everything():
     """A drafter whose proposals are always right: every block fully accepted, output unchanged."""
     target = make_tiny_target()

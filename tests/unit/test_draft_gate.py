@@ -42,6 +42,21 @@ def test_rows_drafting_inside_a_larger_step_pay_the_pass_for_the_whole_batch():
     assert gate.expected_gain(4, batch_rows=4) == pytest.approx(gate.expected_gain(4))  # the whole batch: as before
 
 
+def test_prompt_tokens_in_the_same_pass_are_part_of_both_steps_prices():
+    """Beside a fused prefill the step is long anyway: a drafter pass and its verify tokens are a
+    smaller share of it, so drafting that loses in a plain step can pay in that one."""
+    gate = DraftGate(_table(draft_seconds=0.2, verify_slope=0.01), max_tokens=64, prior_rows=0.0)
+    gate.observe(requests=2, verified=4, accepted=1)  # per request: 2 verified, 0.5 accepted
+    assert gate.rows_to_draft(1, batch_rows=4) == 0  # the plain 4-row step of the test above
+    # 400 prompt tokens: past the table's end (64 tokens) a step's time grows in proportion to its tokens
+    step = lambda tokens: (1.0 + 0.01 * 63) * tokens / 64  # noqa: E731
+    assert gate._step_time(4, extra_tokens=400) == pytest.approx(step(404))
+    beside = (4 + 0.5) / 4 * step(4 + 400) / (0.2 + step(6 + 400))
+    assert gate.expected_gain(1, batch_rows=4, extra_tokens=400) == pytest.approx(beside) and beside > 1.0
+    assert gate.rows_to_draft(1, batch_rows=4, extra_tokens=400) == 1
+    assert gated_rows(gate, [2], [0, 0, 0, 0], batch_rows=4, extra_tokens=400) == [2]
+
+
 def test_acceptance_is_shrunk_towards_zero_by_the_prior_rows():
     gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.1), max_tokens=64, prior_rows=4.0)
     gate.observe(requests=2, verified=8, accepted=4)

@@ -393,6 +393,19 @@ def test_hardware_aware_policies_price_a_step_by_its_rows(name):
     assert int(one(conf[:1]).sum()) > 0, "one row: the 1-row curve, on which drafts are cheap"
 
 
+@pytest.mark.parametrize("name", ["algorithm1", "no_slowdown", "async"])
+def test_hardware_aware_policies_price_prompt_tokens_in_the_same_pass(name):
+    """Step time proportional to tokens (1 ms each): beside 4 rows alone a 0.5 draft costs a quarter
+    more time for an eighth more tokens; beside 100 prompt tokens it costs under 1% for the same."""
+    sps = torch.tensor([0.0] + [1000.0 / b for b in range(1, 201)], dtype=torch.float64)
+    conf = torch.full((4, K), 0.5)
+    policy = make_scheduler(name, sps=sps)
+    assert int(policy(conf).sum()) == 0
+    assert int(make_scheduler(name, sps=sps)(conf, extra_tokens=100).sum()) > 0
+    with pytest.raises(ValueError, match="extra_tokens"):
+        policy(conf, extra_tokens=-1)
+
+
 def test_expected_throughput_reads_the_curve_of_the_batch_rows():
     table = _rows_priced_table()
     conf = torch.full((4, K), 0.9)

@@ -12,7 +12,8 @@ from dspark.engine.serving.client import Result
 
 def result(t0, first, done, tokens, steps=0, accepted=0, error=None):
     r = Result("r", t0, chunks=["x"], chunk_times=[t0 + first, t0 + done], tokens=tokens,
-               num_steps=steps, num_accepted_tokens=accepted, error=error)
+               token_times=[(t0 + first, 1), (t0 + done, tokens)], num_steps=steps,
+               num_accepted_tokens=accepted, error=error)
     r.t_done = t0 + done
     return r
 
@@ -47,7 +48,29 @@ def test_report_files_and_speedup_table(tmp_path):
     assert all(p.is_file() for p in paths)
     assert json.loads(paths[0].read_text())["results"][0]["system"] == "spec"
     md = paths[1].read_text()
-    assert "| 1 | 2.00x |" in md and "| spec | 4 |" in md
+    assert "| 1 | 2.00x | - |" in md and "| spec | 4 |" in md
+
+
+def test_sustained_rate_counts_tokens_while_every_stream_is_busy():
+    """Two streams, closed loop: a and b sent at 0, c when a finished (1.0 s), d when b finished
+    (1.5 s); the window is [0, 1.5]. The drain after it (c until 3.0 s, d until 2.0 s) is outside:
+    the whole-run rate counts it, the sustained rate does not."""
+    def req(t0, stamps, done):
+        r = Result("r", t0, token_times=stamps, tokens=stamps[-1][1])
+        r.t_done = done
+        return r
+    rs = [req(0.0, [(0.5, 5), (1.0, 10)], 1.0), req(0.0, [(0.7, 6), (1.5, 12)], 1.5),
+          req(1.0, [(1.2, 2), (1.6, 4), (3.0, 10)], 3.0), req(1.5, [(1.6, 1), (2.0, 10)], 2.0)]
+    rate, window = bench.sustained_rate(rs)
+    assert window == pytest.approx(1.5)
+    assert rate == pytest.approx((10 + 12 + 2 + 0) / 1.5)  # c had 2 tokens by 1.5 s; d's first came at 1.6 s
+    row = bench.summarize("spec", 2, rs, wall=3.0)
+    assert row["output_tokens_per_s"] == pytest.approx(42 / 3.0, rel=1e-3)
+    assert row["sustained_tokens_per_s"] == pytest.approx(24 / 1.5, rel=1e-3) and row["sustained_s"] == 1.5
+    # every request sent at once (or before any finished): there was no sustained window
+    assert bench.sustained_rate(rs[:2]) == (None, 0.0)
+    assert bench.sustained_rate([req(0.0, [(1.0, 3)], 1.0), req(0.5, [(2.0, 3)], 2.0)])[0] is None
+    assert bench.sustained_rate([]) == (None, 0.0)
 
 
 def test_server_rss_covers_a_process_tree():
@@ -66,7 +89,7 @@ def test_sweep_runs_the_systems_back_to_back_per_level_in_alternating_order(monk
     spec, base = bench.SYSTEMS["spec"], bench.SYSTEMS["target_only"]
     n = bench.MIN_REQUESTS
     assert calls == [(spec, 1, 1), (base, 1, 1),  # warm-ups
-                     (spec, 1, n), (base, 1, n), (base, 4, n), (spec, 4, n), (spec, 16, 32), (base, 16, 32)]
+                     (spec, 1, n), (base, 1, n), (base, 4, 16), (spec, 4, 16), (spec, 16, 64), (base, 16, 64)]
     assert [(r["system"], r["concurrency"]) for r in rows] == [
         ("spec", 1), ("spec", 4), ("spec", 16), ("target_only", 1), ("target_only", 4), ("target_only", 16)]
 
@@ -90,13 +113,14 @@ def test_repeated_sweep_alternates_rounds_and_reports_median_runs_and_paired_rat
     assert spec["output_tokens_per_s_runs"] == [30, 10, 20] and spec["output_tokens_per_s"] == 20
     assert base["output_tokens_per_s_runs"] == [10, 20, 40] and base["output_tokens_per_s"] == 20
     assert base["repeats"] == 3 and base["requests"] == 6 and base["failed"] == 1  # a failure in any run shows
-    [(c, tok, ttft)] = bench.speedup_rows(rows)
+    [(c, tok, held, ttft)] = bench.speedup_rows(rows)
     assert c == 1 and tok == pytest.approx(0.5)  # median of 30/10, 10/20, 20/40, not the median runs' 20/20
+    assert held is None  # every request of these runs was sent at once: no run sustained its load
     # TTFT p50 per run (ms): spec 100, 250, 300; target_only 200 (its failed request left out), 200, 350
     assert spec["ttft_p50_ms_runs"] == [100, 250, 300] and base["ttft_p50_ms_runs"] == [200, 200, 350]
     assert ttft == pytest.approx(300 / 350)
     md = bench.markdown({"command": "x", "device": "cpu", "results": rows})
-    assert "median of the 3 rounds' ratios" in md and "| 1 | 0.50x | 0.86x |" in md
+    assert "median of the 3 rounds' ratios" in md and "| 1 | 0.50x | - | 0.86x |" in md
     with pytest.raises(ValueError):
         bench.sweep("u", ["p"], [1], ["spec"], 8, repeats=0, log=lambda *_: None)
 
@@ -150,7 +174,8 @@ def test_every_round_of_every_level_sends_prompts_no_earlier_round_sent(monkeypa
     rounds = sent[2:]  # after the two warm-ups on p0
     assert [p for _, p in rounds[0::2]] == [p for _, p in rounds[1::2]], "both systems of a round get the same prompts"
     fresh = [q for _, p in rounds[0::2] for q in p]
-    assert len(fresh) == 4 * bench.MIN_REQUESTS and len(set(fresh)) == len(fresh) and "p0" not in fresh
+    per_round = [bench.MIN_REQUESTS, max(4 * bench.REQUESTS_PER_STREAM, bench.MIN_REQUESTS)]  # levels 1 and 4
+    assert len(fresh) == 2 * sum(per_round) and len(set(fresh)) == len(fresh) and "p0" not in fresh
     warned = []
     bench.sweep("u", pool[:20], [1, 4], ["spec"], 8, repeats=1, log=warned.append)
     assert sum("run out" in w for w in warned) == 1

@@ -371,3 +371,20 @@ def test_rows_grid_prices_a_draft_by_its_difference_to_the_same_sweeps_plain_ste
     out = bench.time_rows_grid(step, {4: [0, 1, 2, 8]}, warmup=3, repeats=3, iters=2)
     assert out[(4, 0)] == pytest.approx(1.0)  # median of 1, 3, 1
     assert [out[(4, e)] - out[(4, 0)] for e in (1, 2, 8)] == pytest.approx([0.1, 0.2, 0.8])
+
+
+def test_shifted_costs_price_a_step_that_carries_prompt_tokens():
+    """``costs(R, extra_tokens=P)[b]`` is the rate of a step of b + P tokens; past the table's end
+    a step's time grows in proportion to its tokens."""
+    from dspark.engine.sps import StepCosts, shift_sps
+
+    seconds = torch.tensor([1.0] + [0.010 + 0.001 * b for b in range(1, 11)], dtype=torch.float64)
+    sps = 1.0 / seconds
+    sps[0] = 0.0
+    assert shift_sps(sps, 0) is sps
+    shifted = shift_sps(sps, 4)
+    assert shifted.shape == sps.shape and shifted[0] == 0.0
+    assert torch.allclose(shifted[1:7], sps[5:11])
+    assert 1.0 / float(shifted[8]) == pytest.approx(float(seconds[10]) * 12 / 10)
+    costs = StepCosts(sps)
+    assert torch.equal(costs(3, extra_tokens=4), shifted) and torch.equal(costs(3), sps)
