@@ -19,8 +19,9 @@ ride in the same step and wait for the same drafter pass:
 so a pass that pays for one request alone can cost a batch more than it gains. ``step_time``
 is the SPS table's, for a step of that many rows where the table prices by rows
 (``engine/sps.py``). When P prompt tokens of newly admitted requests ride in the same target
-pass (fused prefill), both steps carry them, ``step_time(B + P)`` and ``step_time(B + n V + P)``:
-beside a prefill a draft costs a smaller share of the step. A and V
+pass (fused prefill), the prompt's time is paid either way: the plain step counts as
+``step_time(B)`` and the drafted one adds ``step_time(B + n V + P) - step_time(B + P)``, what its
+verify tokens add to the longer pass. A and V
 come from realised counts, so the gate also works for
 drafters without a confidence head, and both are averages over request-steps (rows), not
 over steps: a 64-row step says more than a 4-row probe. Old rows fade with a horizon of
@@ -60,7 +61,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from .sps import SpsTable, StepCosts
+import torch
+
+from .sps import SpsTable, StepCosts, seconds_at
 
 __all__ = ["DraftGate", "gated_rows", "least_recent"]
 
@@ -100,7 +103,7 @@ class DraftGate:
         self.draft_time = draft_time if draft_time is not None else table.draft_time
         self.catchup_time = catchup_time if catchup_time is not None else (lambda rows: 0.0)
         self._costs = StepCosts(table, max(max_tokens, table.tokens[-1]))
-        self._seconds: dict[int, list[float]] = {}  # step seconds by tokens, per row count
+        self._seconds: dict[int, torch.Tensor] = {}  # steps/s by tokens, per row count
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
         self.prior_rows = prior_rows
@@ -129,27 +132,29 @@ class DraftGate:
         """Estimated drafts verified per request on a drafted step; None before any."""
         return None if self._rows == 0.0 else self._verified / self._rows
 
-    def _step_time(self, rows: int, tokens: int | None = None, extra_tokens: int = 0) -> float:
-        """Seconds of a step of ``rows`` rows and ``tokens`` tokens (default one per row), plus
-        ``extra_tokens`` prompt tokens in the same pass."""
+    def _step_time(self, rows: int, tokens: int | None = None, prompt_tokens: int = 0) -> float:
+        """Seconds of a step of ``rows`` rows and ``tokens`` tokens (default one per row). With
+        ``prompt_tokens`` prompt tokens in the same pass, the rows' plain step plus what the tokens
+        past the rows add to that longer pass (``beside_prompt_sps``): the prompt's own time is
+        paid whatever is drafted."""
         seconds = self._seconds.get(rows)
         if seconds is None:
-            seconds = self._seconds[rows] = (1.0 / self._costs(rows)).tolist()
-        tokens = (rows if tokens is None else tokens) + extra_tokens
-        last = len(seconds) - 1
-        if tokens <= last:
-            return seconds[tokens]
-        return seconds[last] * tokens / last  # compute bound beyond the table
+            seconds = self._seconds[rows] = self._costs(rows)
+        tokens = rows if tokens is None else tokens
+        if prompt_tokens <= 0:
+            return seconds_at(seconds, tokens)
+        return seconds_at(seconds, rows) + seconds_at(seconds, tokens + prompt_tokens) - seconds_at(
+            seconds, rows + prompt_tokens)
 
-    def expected_gain(self, requests: int, batch_rows: int | None = None, extra_tokens: int = 0) -> float:
+    def expected_gain(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0) -> float:
         """Predicted output rate of a step that drafts ``requests`` rows over a plain one (>=1: draft),
-        in a step of ``batch_rows`` rows (default: those rows alone) and ``extra_tokens`` prompt tokens."""
+        in a step of ``batch_rows`` rows (default: those rows alone) and ``prompt_tokens`` prompt tokens."""
         if self.accepted is None:
             return float("inf")
         batch = _step_rows(requests, batch_rows)
-        t_plain = self._step_time(batch, extra_tokens=extra_tokens)
+        t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
         t_drafted = self.draft_time(requests) + self._step_time(
-            batch, batch + round(requests * self.verified), extra_tokens)
+            batch, batch + round(requests * self.verified), prompt_tokens)
         return (batch + requests * self.accepted) / batch * t_plain / t_drafted
 
     def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None) -> float:
@@ -177,16 +182,16 @@ class DraftGate:
             return not cheap and min(self.probe_rows, requests) < requests
         return self.skipping
 
-    def rows_to_draft(self, requests: int, batch_rows: int | None = None, extra_tokens: int = 0) -> int:
+    def rows_to_draft(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0) -> int:
         """How many of ``requests`` rows draft this step, in a step of ``batch_rows`` rows (default
-        ``requests``; the others ride along) and ``extra_tokens`` prompt tokens: all when drafting is
+        ``requests``; the others ride along) and ``prompt_tokens`` prompt tokens: all when drafting is
         predicted to pay, none when it is not, ``min(probe_rows, requests)`` on a probe step."""
         batch = _step_rows(requests, batch_rows)
-        if self.draft_time(requests) < self.free_share * self._step_time(batch, extra_tokens=extra_tokens):
+        if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
             rows = requests  # too cheap to gate
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
-        elif self.expected_gain(requests, batch_rows, extra_tokens) >= 1.0:  # ties draft: nothing to lose
+        elif self.expected_gain(requests, batch_rows, prompt_tokens) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0
             self.probe = self.min_probe
             rows = requests
@@ -221,14 +226,14 @@ def _step_rows(requests: int, batch_rows: int | None) -> int:
 
 
 def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int],
-               batch_rows: int | None = None, extra_tokens: int = 0) -> list[int]:
+               batch_rows: int | None = None, prompt_tokens: int = 0) -> list[int]:
     """The rows of ``rows`` (of a step of ``batch_rows`` rows, default ``len(rows)``, with
-    ``extra_tokens`` prompt tokens) that draft this step: every one without a gate, else as many as
+    ``prompt_tokens`` prompt tokens) that draft this step: every one without a gate, else as many as
     ``gate.rows_to_draft`` allows, those that drafted least recently (``last_drafted[i]``, an engine
     round) first, ties by row; in row order."""
     if not rows or gate is None:
         return rows
-    n = gate.rows_to_draft(len(rows), batch_rows, extra_tokens)
+    n = gate.rows_to_draft(len(rows), batch_rows, prompt_tokens)
     if n == len(rows):
         return rows
     return sorted(least_recent(rows, last_drafted, n))

@@ -467,7 +467,7 @@ class SpecEngine:
             # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
         return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs),
-                          extra_tokens=fused_tokens)
+                          prompt_tokens=fused_tokens)
 
     def _neural_estimate(self) -> float:
         """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running
@@ -493,7 +493,7 @@ class SpecEngine:
         self._suffix_looked = []
         if self.suffix is not None:
             looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs],
-                                extra_tokens=fused_tokens)
+                                prompt_tokens=fused_tokens)
             if looked:
                 suffix = _scatter(self.suffix.propose([slots[i] for i in looked], temps[looked]), looked, R)
                 for i in looked:
@@ -533,7 +533,7 @@ class SpecEngine:
             return torch.zeros(R, dtype=torch.long)
         cap = torch.minimum(self._max_lens(reqs), batch.lens.cpu())
         return self.policy(batch.confidence.cpu().float(), cap, [r.rid for r in reqs],
-                           extra_tokens=fused_tokens).cpu()
+                           prompt_tokens=fused_tokens).cpu()
 
     def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor,
                       chunks: list[tuple[_Request, int]] = ()):

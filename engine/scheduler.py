@@ -135,20 +135,20 @@ class VerifyLengthPolicy(ABC):
     name: str = ""
 
     def __call__(self, confidence: torch.Tensor, max_lens: torch.Tensor | None = None,
-                 request_ids: Sequence[str] | None = None, extra_tokens: int = 0) -> torch.Tensor:
-        """``extra_tokens``: prompt tokens that ride in the same target pass (fused prefill); the
+                 request_ids: Sequence[str] | None = None, prompt_tokens: int = 0) -> torch.Tensor:
+        """``prompt_tokens``: prompt tokens that ride in the same target pass (fused prefill); the
         hardware-aware policies price the step with them (``StepCosts``), the others ignore them."""
         confidence, cap = _check(confidence, max_lens)
         if request_ids is not None and len(request_ids) != confidence.shape[0]:
             raise ValueError(f"request_ids has {len(request_ids)} entries for {confidence.shape[0]} rows")
-        if extra_tokens < 0:
-            raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
-        lens = self._lens(confidence, cap, request_ids, extra_tokens)
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        lens = self._lens(confidence, cap, request_ids, prompt_tokens)
         return lens.to(device=confidence.device, dtype=torch.long)
 
     @abstractmethod
     def _lens(self, confidence: torch.Tensor, cap: torch.Tensor,
-              request_ids: Sequence[str] | None, extra_tokens: int = 0) -> torch.Tensor:
+              request_ids: Sequence[str] | None, prompt_tokens: int = 0) -> torch.Tensor:
         """Checked inputs -> verify lengths [R]."""
 
     def reset(self) -> None:
@@ -168,7 +168,7 @@ class FixedLength(VerifyLengthPolicy):
             raise ValueError(f"k must be >= 0, got {k}")
         self.k = k
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         return cap if self.k is None else cap.clamp(max=self.k)
 
 
@@ -182,7 +182,7 @@ class StaticThreshold(VerifyLengthPolicy):
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
         self.threshold = float(threshold)
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         a = prefix_survival(confidence).cpu()
         keep = a >= self.threshold  # a prefix along j, since a never grows
         n = torch.cumprod(keep.long(), dim=-1).sum(-1)
@@ -201,9 +201,9 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
     def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
         self.sps = StepCosts(sps, max_tokens)
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         device = confidence.device
-        sps = self.sps(confidence.shape[0], extra_tokens)
+        sps = self.sps(confidence.shape[0], prompt_tokens)
         return ops.schedule_prefix(confidence, sps.to(device), cap.to(device), early_stop=True)
 
 
@@ -291,11 +291,11 @@ class NoSlowdownScheduler(VerifyLengthPolicy):
         self.credit.clear()
         self._pending = None
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         R = confidence.shape[0]
         ids = [str(i) for i in range(R)] if request_ids is None else [str(r) for r in request_ids]
         self.credit = {rid: self.credit.get(rid, 0.0) for rid in ids}
-        sps = self.sps(R, extra_tokens)
+        sps = self.sps(R, prompt_tokens)
         if R == 0 or R >= sps.numel():
             self._pending = None
             return torch.zeros(R, dtype=torch.long)
@@ -343,7 +343,7 @@ class AsyncScheduler(VerifyLengthPolicy):
         self.last_mode = ""
 
     def capacity_from_history(self, request_ids: Sequence[str], cap: torch.Tensor, K: int,
-                              extra_tokens: int = 0) -> int | None:
+                              prompt_tokens: int = 0) -> int | None:
         """Capacity for the current batch from the confidences ``lag`` steps back, or None."""
         if len(self._history) < self.lag:
             return None
@@ -358,17 +358,17 @@ class AsyncScheduler(VerifyLengthPolicy):
         rows[-1] = rows[known].mean(0)  # stand-in for requests that were not there
         proxy = rows[torch.tensor(where)]  # index -1 picks the stand-in
         # unconstrained global search: safe here, none of these confidences are this step's
-        return int(schedule_prefix(proxy, self.sps(len(request_ids), extra_tokens), cap, early_stop=False).sum())
+        return int(schedule_prefix(proxy, self.sps(len(request_ids), prompt_tokens), cap, early_stop=False).sum())
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         R, K = confidence.shape
         ids = [str(i) for i in range(R)] if request_ids is None else [str(r) for r in request_ids]
         index = {rid: i for i, rid in enumerate(ids)}
         if len(index) != len(ids):
             raise ValueError("request_ids must be unique within a step")
-        capacity = self.capacity_from_history(ids, cap, K, extra_tokens)
+        capacity = self.capacity_from_history(ids, cap, K, prompt_tokens)
         if capacity is None:
-            lens = self._sync._lens(confidence, cap, ids, extra_tokens).cpu()
+            lens = self._sync._lens(confidence, cap, ids, prompt_tokens).cpu()
             self.last_mode = "sync"
         else:
             lens = top_capacity_lens(confidence, cap, capacity)

@@ -102,7 +102,8 @@ __all__ = [
     "SpsLike",
     "StepCosts",
     "dense_sps",
-    "shift_sps",
+    "beside_prompt_sps",
+    "seconds_at",
     "plot_sps",
     "isotonic_non_decreasing",
     "convex_from_start",
@@ -518,19 +519,33 @@ def dense_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
     return t
 
 
-def shift_sps(sps: torch.Tensor, extra_tokens: int) -> torch.Tensor:
-    """A dense steps/s array for steps that also carry ``extra_tokens`` other tokens (prompt chunks
-    in the same target pass): entry b is the rate at ``b + extra_tokens``. Past the array's end a
-    step's time grows in proportion to its tokens, as it does where the step is compute bound (the
-    end of a table is its largest profiled step)."""
-    if extra_tokens <= 0:
+def seconds_at(sps: torch.Tensor, tokens: int) -> float:
+    """Seconds of a step of ``tokens`` tokens by a dense steps/s array; past its end a step's time
+    grows in proportion to its tokens, as it does where a step is compute bound (the end of a
+    table is its largest profiled step)."""
+    n = sps.numel() - 1
+    if tokens <= n:
+        return 1.0 / float(sps[tokens])
+    return tokens / (n * float(sps[n]))
+
+
+def beside_prompt_sps(sps: torch.Tensor, rows: int, prompt_tokens: int) -> torch.Tensor:
+    """The dense steps/s array a scheduler reads for a step of ``rows`` rows whose target pass also
+    carries ``prompt_tokens`` prompt tokens (fused prefill): entry b is ``1 / (t(R) + t(b + P) -
+    t(R + P))``. The prompt's own time is left out, since it is paid whatever is drafted, so an
+    accepted token is worth what it is worth in a step of the rows alone; drafts cost what they
+    add to the longer pass, where the step is further into its compute-bound slope."""
+    if prompt_tokens <= 0:
         return sps
     n = sps.numel() - 1
-    at = torch.arange(n + 1, dtype=torch.long) + extra_tokens
+    rates = sps.double()
+    at = torch.arange(n + 1, dtype=torch.long) + prompt_tokens
     inside = at <= n
-    out = torch.empty(n + 1, dtype=torch.float64)
-    out[inside] = sps.double()[at[inside]]
-    out[~inside] = float(sps[n]) * n / at[~inside].double()
+    later = torch.empty(n + 1, dtype=torch.float64)  # t(b + P) for every b
+    later[inside] = 1.0 / rates[at[inside]]
+    later[~inside] = at[~inside].double() / (n * float(rates[n]))
+    seconds = later + (seconds_at(sps, rows) - seconds_at(sps, rows + prompt_tokens))
+    out = 1.0 / seconds.clamp_min(1e-12)
     out[0] = 0.0
     return out
 
@@ -539,9 +554,9 @@ class StepCosts:
     """Dense steps/s arrays ``[N+1]`` for a batch of R rows (``costs(R)``): an ``SpsTable``'s curve
     for R rows where it has the by-rows grid, else one array for every R (a table's 1-D curve,
     a dense array or a sequence), expanded up to ``max_tokens`` (a table's default: its largest
-    profiled count). Arrays are built once per R. ``costs(R, extra_tokens=P)`` prices a step
-    whose target pass also carries P prompt tokens (``shift_sps``): the schedulers and gates
-    then see that a draft costs a smaller share of a step that prefills beside it."""
+    profiled count). Arrays are built once per R. ``costs(R, prompt_tokens=P)`` prices a step
+    whose target pass also carries P prompt tokens (``beside_prompt_sps``): its drafts cost what
+    they add to the longer pass."""
 
     def __init__(self, sps: SpsLike, max_tokens: int | None = None) -> None:
         if isinstance(sps, StepCosts):
@@ -559,14 +574,14 @@ class StepCosts:
         """Whether the price of a step depends on its rows (a by-rows grid)."""
         return self._flat is None
 
-    def __call__(self, rows: int, extra_tokens: int = 0) -> torch.Tensor:
+    def __call__(self, rows: int, prompt_tokens: int = 0) -> torch.Tensor:
         if self._flat is not None:
             t = self._flat
         else:
             t = self._by_rows.get(rows)
             if t is None:
                 t = self._by_rows[rows] = dense_sps(self.table.as_tensor(self.max_tokens, rows=max(rows, 1)))
-        return shift_sps(t, extra_tokens)
+        return beside_prompt_sps(t, rows, prompt_tokens)
 
 
 def time_interleaved(step_fn: Callable[[Any], None], keys: Sequence[Any], warmup: int, repeats: int, *,

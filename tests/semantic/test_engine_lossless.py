@@ -103,9 +103,9 @@ def test_the_scheduler_prices_the_prompt_tokens_fused_into_each_step():
             def __init__(self, inner, engine=engine, priced=priced):
                 self.inner, self.engine, self.priced = inner, engine, priced
 
-            def __call__(self, conf, cap=None, ids=None, extra_tokens=0):
-                self.priced[self.engine.stats.steps] = extra_tokens
-                return self.inner(conf, cap, ids, extra_tokens=extra_tokens)
+            def __call__(self, conf, cap=None, ids=None, prompt_tokens=0):
+                self.priced[self.engine.stats.steps] = prompt_tokens
+                return self.inner(conf, cap, ids, prompt_tokens=prompt_tokens)
 
             def __getattr__(self, name):
                 return getattr(self.inner, name)

@@ -124,7 +124,7 @@ class _Retrospective(VerifyLengthPolicy):
     def __init__(self, sps):
         self.sps = sps
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         return schedule_prefix(confidence, self.sps, cap, early_stop=False)
 
 
@@ -134,7 +134,7 @@ class _VerifyNothing(VerifyLengthPolicy):
     def __init__(self, sps):
         pass
 
-    def _lens(self, confidence, cap, request_ids, extra_tokens=0):
+    def _lens(self, confidence, cap, request_ids, prompt_tokens=0):
         return torch.zeros(confidence.shape[0], dtype=torch.long)
 
 

@@ -42,19 +42,23 @@ def test_rows_drafting_inside_a_larger_step_pay_the_pass_for_the_whole_batch():
     assert gate.expected_gain(4, batch_rows=4) == pytest.approx(gate.expected_gain(4))  # the whole batch: as before
 
 
-def test_prompt_tokens_in_the_same_pass_are_part_of_both_steps_prices():
-    """Beside a fused prefill the step is long anyway: a drafter pass and its verify tokens are a
-    smaller share of it, so drafting that loses in a plain step can pay in that one."""
-    gate = DraftGate(_table(draft_seconds=0.2, verify_slope=0.01), max_tokens=64, prior_rows=0.0)
+def test_beside_a_fused_prompt_verify_tokens_cost_what_they_add_to_the_longer_pass():
+    """A step that jumps by 0.6 s at its first draft beside 4 rows but is on a 0.001 s/token slope
+    past it: a cheap pass drafting one row does not pay in the rows' own step, and does beside
+    40 prompt tokens, whose own time is paid either way (the plain step stays t(4))."""
+    table = SpsTable(tokens=[1, 4, 5, 64], steps_per_s=[1.0, 1.0, 1.0 / 1.6, 1.0 / 1.659], device="cpu",
+                     engine="toy", draft_requests=[1, 64], draft_seconds=[0.01, 0.01])
+    gate = DraftGate(table, max_tokens=64, prior_rows=0.0)
     gate.observe(requests=2, verified=4, accepted=1)  # per request: 2 verified, 0.5 accepted
-    assert gate.rows_to_draft(1, batch_rows=4) == 0  # the plain 4-row step of the test above
-    # 400 prompt tokens: past the table's end (64 tokens) a step's time grows in proportion to its tokens
-    step = lambda tokens: (1.0 + 0.01 * 63) * tokens / 64  # noqa: E731
-    assert gate._step_time(4, extra_tokens=400) == pytest.approx(step(404))
-    beside = (4 + 0.5) / 4 * step(4 + 400) / (0.2 + step(6 + 400))
-    assert gate.expected_gain(1, batch_rows=4, extra_tokens=400) == pytest.approx(beside) and beside > 1.0
-    assert gate.rows_to_draft(1, batch_rows=4, extra_tokens=400) == 1
-    assert gated_rows(gate, [2], [0, 0, 0, 0], batch_rows=4, extra_tokens=400) == [2]
+    t = gate._step_time
+    assert t(4, prompt_tokens=40) == pytest.approx(t(4))
+    assert t(4, 6, prompt_tokens=40) == pytest.approx(t(4) + t(4, 46) - t(4, 44))
+    plain = (4 + 0.5) / 4 * t(4) / (0.01 + t(4, 6))
+    beside = (4 + 0.5) / 4 * t(4) / (0.01 + t(4, 6, prompt_tokens=40))
+    assert gate.expected_gain(1, batch_rows=4) == pytest.approx(plain) and plain < 1.0
+    assert gate.expected_gain(1, batch_rows=4, prompt_tokens=40) == pytest.approx(beside) and beside > 1.0
+    assert gate.rows_to_draft(1, batch_rows=4) == 0
+    assert gated_rows(gate, [2], [0, 0, 0, 0], batch_rows=4, prompt_tokens=40) == [2]
 
 
 def test_acceptance_is_shrunk_towards_zero_by_the_prior_rows():

@@ -395,15 +395,20 @@ def test_hardware_aware_policies_price_a_step_by_its_rows(name):
 
 @pytest.mark.parametrize("name", ["algorithm1", "no_slowdown", "async"])
 def test_hardware_aware_policies_price_prompt_tokens_in_the_same_pass(name):
-    """Step time proportional to tokens (1 ms each): beside 4 rows alone a 0.5 draft costs a quarter
-    more time for an eighth more tokens; beside 100 prompt tokens it costs under 1% for the same."""
-    sps = torch.tensor([0.0] + [1000.0 / b for b in range(1, 201)], dtype=torch.float64)
+    """1 ms per token up to 4 (the rows), a 3 ms jump at the first draft, then 0.1 ms per token: beside
+    the 4 rows alone a 0.5 draft costs 3 ms for half a 1 ms token; beside 100 prompt tokens the pass
+    is on its gentle slope, and the same draft costs 0.1 ms."""
+    ms = [0.0] + [float(b) if b <= 4 else 7.0 + 0.1 * (b - 5) for b in range(1, 201)]
+    sps = torch.tensor([0.0] + [1000.0 / t for t in ms[1:]], dtype=torch.float64)
     conf = torch.full((4, K), 0.5)
     policy = make_scheduler(name, sps=sps)
     assert int(policy(conf).sum()) == 0
-    assert int(make_scheduler(name, sps=sps)(conf, extra_tokens=100).sum()) > 0
-    with pytest.raises(ValueError, match="extra_tokens"):
-        policy(conf, extra_tokens=-1)
+    assert int(make_scheduler(name, sps=sps)(conf, prompt_tokens=100).sum()) > 0
+    linear = torch.tensor([0.0] + [1000.0 / b for b in range(1, 201)], dtype=torch.float64)
+    assert int(make_scheduler(name, sps=linear)(conf, prompt_tokens=100).sum()) == 0, \
+        "on a straight line a prompt beside the rows changes no draft's price"
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        policy(conf, prompt_tokens=-1)
 
 
 def test_expected_throughput_reads_the_curve_of_the_batch_rows():

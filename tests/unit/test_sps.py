@@ -373,18 +373,20 @@ def test_rows_grid_prices_a_draft_by_its_difference_to_the_same_sweeps_plain_ste
     assert [out[(4, e)] - out[(4, 0)] for e in (1, 2, 8)] == pytest.approx([0.1, 0.2, 0.8])
 
 
-def test_shifted_costs_price_a_step_that_carries_prompt_tokens():
-    """``costs(R, extra_tokens=P)[b]`` is the rate of a step of b + P tokens; past the table's end
-    a step's time grows in proportion to its tokens."""
-    from dspark.engine.sps import StepCosts, shift_sps
+def test_beside_a_prompt_a_step_is_priced_by_what_its_tokens_add_to_the_longer_pass():
+    """``costs(R, prompt_tokens=P)[b]`` is ``1 / (t(R) + t(b + P) - t(R + P))``: the prompt's own time
+    is left out (paid whatever is drafted); past the table's end time grows in proportion to tokens."""
+    from dspark.engine.sps import StepCosts, beside_prompt_sps, seconds_at
 
     seconds = torch.tensor([1.0] + [0.010 + 0.001 * b for b in range(1, 11)], dtype=torch.float64)
     sps = 1.0 / seconds
     sps[0] = 0.0
-    assert shift_sps(sps, 0) is sps
-    shifted = shift_sps(sps, 4)
-    assert shifted.shape == sps.shape and shifted[0] == 0.0
-    assert torch.allclose(shifted[1:7], sps[5:11])
-    assert 1.0 / float(shifted[8]) == pytest.approx(float(seconds[10]) * 12 / 10)
+    assert seconds_at(sps, 3) == pytest.approx(0.013) and seconds_at(sps, 15) == pytest.approx(0.020 * 15 / 10)
+    assert beside_prompt_sps(sps, 2, 0) is sps
+    priced = beside_prompt_sps(sps, 2, 4)
+    assert priced.shape == sps.shape and priced[0] == 0.0
+    assert 1.0 / float(priced[2]) == pytest.approx(0.012)  # the rows alone: their own step
+    assert 1.0 / float(priced[5]) == pytest.approx(0.012 + 0.019 - 0.016)
+    assert 1.0 / float(priced[9]) == pytest.approx(0.012 + 0.020 * 13 / 10 - 0.016)  # past the end
     costs = StepCosts(sps)
-    assert torch.equal(costs(3, extra_tokens=4), shifted) and torch.equal(costs(3), sps)
+    assert torch.equal(costs(2, prompt_tokens=4), priced) and torch.equal(costs(2), sps)
