@@ -61,8 +61,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-import torch
-
 from .sps import SpsTable, StepCosts, seconds_at
 
 __all__ = ["DraftGate", "gated_rows", "least_recent"]
@@ -103,7 +101,7 @@ class DraftGate:
         self.draft_time = draft_time if draft_time is not None else table.draft_time
         self.catchup_time = catchup_time if catchup_time is not None else (lambda rows: 0.0)
         self._costs = StepCosts(table, max(max_tokens, table.tokens[-1]))
-        self._seconds: dict[int, torch.Tensor] = {}  # steps/s by tokens, per row count
+        self._seconds: dict[int, list[float]] = {}  # steps/s by tokens, per row count
         self.min_probe, self.max_probe = min_probe, max_probe
         self.keep_per_row = 1.0 - 1.0 / horizon  # weight left to old rows after each new row
         self.prior_rows = prior_rows
@@ -139,7 +137,7 @@ class DraftGate:
         paid whatever is drafted."""
         seconds = self._seconds.get(rows)
         if seconds is None:
-            seconds = self._seconds[rows] = self._costs(rows)
+            seconds = self._seconds[rows] = self._costs(rows).tolist()  # list lookups: this runs every step
         tokens = rows if tokens is None else tokens
         if prompt_tokens <= 0:
             return seconds_at(seconds, tokens)

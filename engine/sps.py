@@ -519,11 +519,11 @@ def dense_sps(sps: SpsLike, max_tokens: int | None = None) -> torch.Tensor:
     return t
 
 
-def seconds_at(sps: torch.Tensor, tokens: int) -> float:
-    """Seconds of a step of ``tokens`` tokens by a dense steps/s array; past its end a step's time
-    grows in proportion to its tokens, as it does where a step is compute bound (the end of a
-    table is its largest profiled step)."""
-    n = sps.numel() - 1
+def seconds_at(sps: torch.Tensor | Sequence[float], tokens: int) -> float:
+    """Seconds of a step of ``tokens`` tokens by a dense steps/s array (a tensor or, on a host hot
+    path, its ``tolist()``); past its end a step's time grows in proportion to its tokens, as it
+    does where a step is compute bound (the end of a table is its largest profiled step)."""
+    n = len(sps) - 1
     if tokens <= n:
         return 1.0 / float(sps[tokens])
     return tokens / (n * float(sps[n]))
@@ -541,7 +541,7 @@ def beside_prompt_sps(sps: torch.Tensor, rows: int, prompt_tokens: int) -> torch
     rates = sps.double()
     at = torch.arange(n + 1, dtype=torch.long) + prompt_tokens
     inside = at <= n
-    later = torch.empty(n + 1, dtype=torch.float64)  # t(b + P) for every b
+    later = torch.empty(n + 1, dtype=torch.float64)  # t(b + P) for every b, by seconds_at's rule
     later[inside] = 1.0 / rates[at[inside]]
     later[~inside] = at[~inside].double() / (n * float(rates[n]))
     seconds = later + (seconds_at(sps, rows) - seconds_at(sps, rows + prompt_tokens))
