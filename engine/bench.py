@@ -25,7 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -319,7 +319,8 @@ def time_rows_grid(step: Callable[[int, int], None], extras: dict[int, list[int]
     sweep), each the mean of ``iters`` steps; a point is the plain step's median plus the
     median over sweeps of its difference to that sweep's plain step. A draft's price is the
     difference of two nearby times, so a slow spell of a shared host cancels out of it
-    instead of pricing the first draft beside 64 rows at nothing."""
+    instead of pricing the first draft beside 64 rows at nothing; a price that noise alone
+    puts below the row count's slope goes back on it (``supported_draft_prices``)."""
     def timed(R: int, e: int) -> float:
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -344,8 +345,38 @@ def time_rows_grid(step: Callable[[int, int], None], extras: dict[int, list[int]
                     diffs[(R, e)].append(got[e] - got[0])
                 bar.update(len(es))
     out = {(R, 0): statistics.median(ts) for R, ts in plain.items()}
-    for (R, e), ds in diffs.items():
-        out[(R, e)] = out[(R, 0)] + max(statistics.median(ds), 0.0)
+    for R, es in extras.items():
+        prices = supported_draft_prices(es[1:], [diffs[(R, e)] for e in es[1:]])
+        for e, price in zip(es[1:], prices):
+            out[(R, e)] = out[(R, 0)] + price
+    return out
+
+
+def supported_draft_prices(extras: Sequence[int], diffs: Sequence[Sequence[float]],
+                           evidence: float = 0.9) -> list[float]:
+    """What ``extras[i]`` drafts add to a step, from ``diffs[i]`` (each sweep's difference to its
+    plain step): the median difference (at least 0), except that a price below the line through
+    the plain step and the largest count's price is kept only where at least ``evidence`` of the
+    sweeps fall below that line; otherwise the point goes on the line.
+
+    Beside many rows a step's noise (milliseconds) exceeds what one draft adds, and the convex fit
+    of ``engine/sps.py`` keeps a low start of a curve as it is: a first draft that timed at nothing
+    in a noisy sweep would then be priced free for good, and the schedulers would verify a draft or
+    two of any confidence in every step. The largest count's difference is tens of drafts' worth,
+    measured well above the noise, so its slope is the reference; where the first drafts really
+    are cheaper (a memory-bound step, a GPU) the sweeps show it every time and the price stands.
+    Every sweep's differences share that sweep's plain step, so one slow plain step lowers all of
+    a sweep's small prices at once: the default asks for 9 sweeps in 10 (all 7 of the CPU's 7).
+    """
+    if not extras:
+        return []
+    medians = [max(statistics.median(ds), 0.0) for ds in diffs]
+    slope = medians[-1] / extras[-1]
+    out = []
+    for e, ds, price in zip(extras, diffs, medians):
+        line = slope * e
+        below = sum(d < line for d in ds)
+        out.append(price if price >= line or below >= evidence * len(ds) else line)
     return out
 
 

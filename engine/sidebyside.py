@@ -26,7 +26,8 @@ rotating order (``run_order``). By default (``--order lockstep``) our systems ru
 one process on one loaded target, one engine step of each in turn, the first of the turn
 rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of
 percent over seconds to minutes, and lockstep puts the same drift on both sides of our
-same-round ratios. Each peer runs a level in a process of its own, right before or after ours. ``--order levels`` gives every
+same-round ratios. The order in which such a process builds its engines rotates by round (in
+three short runs the one built second ran its forward passes 0.1-1.4% slower). Each peer runs a level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
@@ -918,7 +919,10 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         lvs = levels_for(group[0], lvs, peer_t, peer_b)  # a lockstep group is ours: every level
         if not lvs:
             continue
-        spec = {"systems": list(group), "levels": [dataclasses.asdict(lv) for lv in lvs],
+        # a lockstep worker builds its engines in this order; in three short runs the one built second ran its
+        # forward passes 0.1-1.4% slower, whichever it was (decode_b64_evidence.md), so the order rotates by round
+        k = rnd % len(group)
+        spec = {"systems": list(group[k:] + group[:k]), "levels": [dataclasses.asdict(lv) for lv in lvs],
                 **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "tasks",
                                                      "static_steps", "engine_dir", "sps", "suffix_max_drafts",
                                                      "suffix_scope", "vllm_kv_gib", "vllm_memory")},

@@ -373,6 +373,22 @@ def test_rows_grid_prices_a_draft_by_its_difference_to_the_same_sweeps_plain_ste
     assert [out[(4, e)] - out[(4, 0)] for e in (1, 2, 8)] == pytest.approx([0.1, 0.2, 0.8])
 
 
+def test_a_draft_price_below_the_rows_slope_needs_the_sweeps_behind_it():
+    """Beside many rows one draft adds less than a step's noise: a first draft that timed at nothing
+    in a noisy sweep goes back on the slope of the largest count, while first drafts that every
+    sweep shows cheap (a memory-bound step) keep their price, and prices above the line stand."""
+    from dspark.engine.bench import supported_draft_prices
+
+    noisy = [[-15.0, 14.0, -2.0, 16.0, -1.0], [12.0, -9.0, -3.0, 20.0, -1.5]]  # medians -1.0 and -1.5 ms
+    largest = [[300.0, 330.0, 320.0, 318.0, 322.0]]  # 64 drafts: 5 ms each, far above the noise
+    assert supported_draft_prices([1, 2, 64], noisy + largest) == pytest.approx([5.0, 10.0, 320.0])
+    cheap = [[0.1, 0.2, 0.0, 0.1, 0.3], [0.2, 0.1, 0.4, 0.2, 0.1]]  # every sweep far below 5 ms per draft
+    assert supported_draft_prices([1, 2, 64], cheap + largest) == pytest.approx([0.1, 0.2, 320.0])
+    dear = [[9.0, 8.0, 7.5, 9.5, 8.5]]  # above the line: measured, kept
+    assert supported_draft_prices([1, 64], dear + largest) == pytest.approx([8.5, 320.0])
+    assert supported_draft_prices([], []) == []
+
+
 def test_beside_a_prompt_a_step_is_priced_by_what_its_tokens_add_to_the_longer_pass():
     """``costs(R, prompt_tokens=P)[b]`` is ``1 / (t(R) + t(b + P) - t(R + P))``: the prompt's own time
     is left out (paid whatever is drafted); past the table's end time grows in proportion to tokens."""
