@@ -366,7 +366,7 @@ def supported_draft_prices(extras: Sequence[int], diffs: Sequence[Sequence[float
     measured well above the noise, so its slope is the reference; where the first drafts really
     are cheaper (a memory-bound step, a GPU) the sweeps show it every time and the price stands.
     Every sweep's differences share that sweep's plain step, so one slow plain step lowers all of
-    a sweep's small prices at once: the default asks for 9 sweeps in 10 (all 7 of the CPU's 7).
+    a sweep's small prices at once: the default asks for 9 sweeps in 10 (every one of 5 to 9).
     """
     if not extras:
         return []

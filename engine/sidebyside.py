@@ -27,7 +27,8 @@ one process on one loaded target, one engine step of each in turn, the first of 
 rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of
 percent over seconds to minutes, and lockstep puts the same drift on both sides of our
 same-round ratios. The order in which such a process builds its engines rotates by round (in
-three short runs the one built second ran its forward passes 0.1-1.4% slower). Each peer runs a level in a process of its own, right before or after ours. ``--order levels`` gives every
+three short runs the one built second ran its forward passes 0.1-1.4% slower). Each peer runs a
+level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
 each batch > 1 in flight (``max(batch, requests_per_slot x batch)`` requests x ``--new-tokens-c``,
