@@ -38,6 +38,7 @@ import random
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from .proposers.registry import PROPOSERS
 from .scheduler import SPS_SCHEDULERS, make_scheduler
 from .sps import SpsTable
 from .static_target import with_static_steps
-from .target_runner import TargetRunner
+from .target_runner import RaggedOutput, TargetRunner
 from . import host_memory, threads
 
 log = logging.getLogger(__name__)
@@ -311,25 +312,38 @@ class SpecEngine:
 
     def step(self) -> None:
         """admit -> prefill -> propose -> schedule -> verify -> commit -> emit (one engine step)."""
-        self._reap()
-        self._admit()
-        prefilling = [r for r in self._active if r.anchor is None and not r.finished]
-        decoding = [r for r in self._active if r.anchor is not None and not r.finished]
-        chunks = self._prefill_chunks(prefilling) if prefilling else []
-        if chunks and not (decoding and self._fused):
-            self._prefill(chunks, self._prefill_forward(chunks))
-            chunks = []
-        if decoding:
-            temps = torch.tensor([r.params.temperature for r in decoding])
-            fused = sum(n for _, n in chunks)  # prompt tokens in this step's target pass: part of its price
-            batch = self._propose(decoding, temps, fused)
-            lens = self._schedule(decoding, batch, fused)
-            res, out, L, prefill_out = self._verify_round(decoding, batch, lens, temps, chunks)
-            self._commit(decoding, batch, lens, res, out, L)
-            if chunks:
-                self._prefill(chunks, prefill_out)
-        self.stats.steps += 1
-        self._reap()
+        with self._timed("step"):
+            self._reap()
+            self._admit()
+            prefilling = [r for r in self._active if r.anchor is None and not r.finished]
+            decoding = [r for r in self._active if r.anchor is not None and not r.finished]
+            chunks = self._prefill_chunks(prefilling) if prefilling else []
+            if chunks and not (decoding and self._fused):
+                with self._timed("prefill"):
+                    self._prefill(chunks, self._prefill_forward(chunks))
+                chunks = []
+            if decoding:
+                temps = torch.tensor([r.params.temperature for r in decoding])
+                fused = sum(n for _, n in chunks)  # prompt tokens in this step's target pass: part of its price
+                batch = self._propose(decoding, temps, fused)
+                lens = self._schedule(decoding, batch, fused)
+                with self._timed("verify"):
+                    res, out, prefill_out = self._verify_round(decoding, batch, lens, temps, chunks)
+                self._commit(decoding, batch, lens, res, out)
+                if chunks:
+                    with self._timed("prefill"):
+                        self._prefill(chunks, prefill_out)
+            self.stats.steps += 1
+            self._reap()
+
+    @contextmanager
+    def _timed(self, phase: str):
+        """Add the wall time of the ``with`` body to ``stats.seconds[phase]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds[phase] += time.perf_counter() - start
 
     # -- phases ---------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -393,8 +407,6 @@ class SpecEngine:
         only): cache lengths, the proposers' context, and each finished prompt's first token."""
         reqs = [r for r, _ in chunks]
         toks = self._chunk_tokens(chunks)
-        # one device-to-host copy for the whole batch: a copy per request is a sync per request
-        aux_host = out.aux.float().cpu() if self.need_features else None
         done = []
         for i, (r, t) in enumerate(zip(reqs, toks)):
             n = len(t)
@@ -402,7 +414,7 @@ class SpecEngine:
             r.prefilled += n
             if r.prefilled == len(r.prompt):
                 done.append((i, r))
-        self._commit_to_proposers([r.slot for r in reqs], [[]] * len(reqs), aux_host, [len(t) for t in toks])
+        self._commit_to_proposers([r.slot for r in reqs], [[]] * len(reqs), out, [len(t) for t in toks])
         if done:
             first = self._first_tokens([r for _, r in done], torch.stack([out.logits[i, 0] for i, _ in done]))
             self._commit_to_proposers([r.slot for _, r in done], [[tok] for tok in first])
@@ -422,15 +434,24 @@ class SpecEngine:
         res = self._verify(reqs, batch, logits, lens, temps, coupled_only=True)
         return res.output_tokens[:, 0].tolist()
 
-    def _commit_to_proposers(self, slots: list[int], tokens: list[list[int]], aux_host: torch.Tensor | None = None,
+    def _commit_to_proposers(self, slots: list[int], tokens: list[list[int]], out: RaggedOutput | None = None,
                              counts: list[int] | None = None) -> None:
-        """Tell every proposer, in one call, about the tokens committed to ``slots``; features (row
-        i's first ``counts[i]`` rows of ``aux_host``) only to those that need them."""
+        """Tell every proposer, in one call, about the tokens committed to ``slots``. ``out``: the
+        target's output over the ``counts[i]`` positions just run for row i (None: none ran), whose
+        features go to the proposers that need them, built only for the rows each wants
+        (``wants_features``; one device-to-host copy: a copy per request is a sync per request)."""
         for p in self.proposers:
-            if p.needs_features and aux_host is not None:
-                p.commit_many(slots, tokens, aux_host, counts)
-            else:
+            if not (p.needs_features and out is not None):
                 p.commit_many(slots, tokens)
+                continue
+            wants = p.wants_features(slots)
+            for want in (False, True):
+                rows = [i for i, w in enumerate(wants) if w == want]
+                if not rows:
+                    continue
+                n = [counts[i] for i in rows]
+                feats = out.aux_rows(rows, max(n)).float().cpu() if want else None
+                p.commit_many([slots[i] for i in rows], [tokens[i] for i in rows], feats, n)
 
     def _settle(self, reqs: list[_Request]) -> None:
         """End of a phase (its tokens were sent): the proposers' deferred work."""
@@ -495,7 +516,9 @@ class SpecEngine:
             looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs],
                                 prompt_tokens=fused_tokens)
             if looked:
-                suffix = _scatter(self.suffix.propose([slots[i] for i in looked], temps[looked]), looked, R)
+                with self._timed("suffix"):
+                    drafts = self.suffix.propose([slots[i] for i in looked], temps[looked])
+                suffix = _scatter(drafts, looked, R)
                 for i in looked:
                     reqs[i].last_suffix = self.stats.decode_steps
             self._suffix_looked = looked
@@ -507,7 +530,8 @@ class SpecEngine:
             sub = [reqs[i] for i in rows]
             # without a rejection-sampled row among them the drafter returns no distributions
             # (``_draft_noise`` marks the noise coupled): only rejection sampling reads them
-            proposal = self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub))
+            with self._timed("neural"):
+                proposal = self.neural.propose([r.slot for r in sub], temps[rows], _draft_noise(sub))
             neural = _scatter(proposal, rows, R)
             for r in sub:
                 r.last_drafted = self.stats.decode_steps
@@ -538,9 +562,8 @@ class SpecEngine:
     def _verify_round(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, temps: torch.Tensor,
                       chunks: list[tuple[_Request, int]] = ()):
         """The target over ``[anchor, d_1..d_l]`` for every row, then the verify rule
-        -> (result, the target's forward output, L the longest verify, the output over
-        ``chunks``). Prompt chunks given here run in the same pass (``_fused``)."""
-        L = int(lens.max()) if len(reqs) else 0
+        -> (result, the target's forward output, the output over ``chunks``). Prompt chunks
+        given here run in the same pass (``_fused``)."""
         drafts = batch.tokens.cpu()
         toks = [[r.anchor] + drafts[i, : int(lens[i])].tolist() for i, r in enumerate(reqs)]
         slots = [r.slot for r in reqs]
@@ -550,9 +573,9 @@ class SpecEngine:
                                                          need_features=self.need_features)
         else:
             out, prefill_out = self.runner.forward(slots, toks, need_features=self.need_features), None
-        return self._verify(reqs, batch, out.token_logits, lens, temps), out, L, prefill_out
+        return self._verify(reqs, batch, out.token_logits, lens, temps), out, prefill_out
 
-    def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out, L: int) -> None:
+    def _commit(self, reqs: list[_Request], batch: DraftBatch, lens: torch.Tensor, res, out: RaggedOutput) -> None:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
         # host lists up front: indexing a tensor per row costs microseconds, times 64 rows per step
         n_acc = res.num_accepted.cpu().tolist()
@@ -568,13 +591,12 @@ class SpecEngine:
             mine = [i for i in self._suffix_looked if has[i] and batch.source_of(i) == self.suffix.name]
             self.suffix_gate.observe(len(self._suffix_looked), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         emitted = res.output_tokens.cpu().tolist()
-        aux_host = out.aux[:, : L + 1].float().cpu() if self.need_features else None  # one copy, one sync
         conf_logits = batch.conf_logits.cpu().tolist() if batch.conf_logits is not None else None
         conf = conf_logits if self.cfg.record_rounds else None
         lengths = self.runner.lengths.tolist()
         self.stats.decode_steps += 1
         news = [emitted[i][: n_acc[i] + 1] for i in range(len(reqs))]
-        self._commit_to_proposers([r.slot for r in reqs], news, aux_host, [n + 1 for n in n_acc])
+        self._commit_to_proposers([r.slot for r in reqs], news, out, [n + 1 for n in n_acc])
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
             new = news[i]

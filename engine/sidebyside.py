@@ -289,7 +289,7 @@ ROUND_PHASES = ("neural", "suffix", "verify", "host")
 
 def attribute_step(totals: dict[str, dict[str, float]], deltas: dict[str, float], rids: Sequence[str]) -> None:
     """Add one engine step's decode time by phase to ``totals[rid]`` of each of its decode rows,
-    an equal share each. ``deltas``: the step's seconds by ``EngineProbe.PHASES``; its decode
+    an equal share each. ``deltas``: the step's seconds by engine phase (``EngineStats.seconds``); its decode
     time is ``step - prefill``, of which ``host`` is what neural, suffix and verify leave. A
     step without decode rows (prompt work only) is nobody's round."""
     if not rids:
@@ -305,24 +305,24 @@ def attribute_step(totals: dict[str, dict[str, float]], deltas: dict[str, float]
 
 
 class EngineProbe:
-    """Times one ``SpecEngine``'s phases and records every verify round by request and proposer.
+    """Reads one ``SpecEngine``'s phase clock and records every verify round by request and proposer.
 
-    It wraps the engine's phase methods on this instance only (``step``, ``_prefill``,
-    ``_prefill_forward``, ``_verify_round``, ``_commit``) and the proposers' ``propose``; the
-    wrapped calls compute exactly what they did. The split of a decode step: ``neural`` (the
-    drafter pass), ``suffix`` (suffix lookups), ``verify`` (the target forward, with any prompt
-    chunks fused into it, and the verify rule), ``host`` (the rest); ``prefill`` is the time of
-    steps' prompt work outside the verify pass.
+    The split of a decode step is the engine's own (``EngineStats.seconds``, phases
+    ``proposers.stats.PHASES``): ``neural`` (the drafter pass), ``suffix`` (suffix lookups),
+    ``verify`` (the target forward, with any prompt chunks fused into it, and the verify
+    rule), ``host`` (the rest); ``prefill`` is the time of steps' prompt work outside the
+    verify pass. The probe wraps ``step`` (to read each step's share), ``_commit`` (to record
+    rounds) and the neural proposer's ``propose`` (to count its rows) on this instance only;
+    the wrapped calls compute exactly what they did.
 
     Per request it also keeps each decode step's split, shared equally among the step's rows
     (``attribute_step``): a task's ms per round by phase (``round_ms_of``), which one request
     at a time is exactly its steps' split."""
 
-    PHASES = ("step", "prefill", "verify", "neural", "suffix")
-
     def __init__(self, engine) -> None:
+        from .proposers.stats import PHASES  # the engine's modules load in the workers only
         self.engine = engine
-        self.seconds: dict[str, float] = defaultdict(float)
+        self._start = engine.stats.snapshot()
         self.calls: dict[str, int] = defaultdict(int)  # proposer -> steps it drafted in
         self.neural_rows = 0
         self.decode_steps = 0
@@ -331,26 +331,20 @@ class EngineProbe:
         self.hist: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         self.row_seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # rid -> phase -> s
         self._step_rids: list[str] = []
-        self._timed(engine, "step", "step")
-        timed_step = engine.step
+        step = engine.step
+        clock = engine.stats.seconds
 
         def attributed_step(*args, **kwargs):
-            before = dict(self.seconds)
+            before = dict(clock)
             self._step_rids = []
             try:
-                return timed_step(*args, **kwargs)
+                return step(*args, **kwargs)
             finally:
-                deltas = {p: self.seconds[p] - before.get(p, 0.0) for p in self.PHASES}
-                attribute_step(self.row_seconds, deltas, self._step_rids)
+                attribute_step(self.row_seconds, {p: clock[p] - before[p] for p in PHASES}, self._step_rids)
         engine.step = attributed_step
-        self._timed(engine, "_prefill", "prefill")  # committing prompt chunks, first tokens
-        if hasattr(engine, "_prefill_forward"):  # the target over prompt chunks when they run alone
-            self._timed(engine, "_prefill_forward", "prefill")
-        self._timed(engine, "_verify_round", "verify")
-        if engine.neural is not None:
-            self._timed(engine.neural, "propose", "neural")
-        if engine.suffix is not None:
-            self._timed(engine.suffix, "propose", "suffix")
+        for name, proposer in (("neural", engine.neural), ("suffix", engine.suffix)):
+            if proposer is not None:
+                self._counted(proposer, name)
         commit = engine._commit
 
         def recording_commit(reqs, batch, lens, res, *rest):
@@ -370,19 +364,21 @@ class EngineProbe:
             return commit(reqs, batch, lens, res, *rest)
         engine._commit = recording_commit
 
-    def _timed(self, obj, method: str, phase: str) -> None:
-        fn = getattr(obj, method)
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds by phase since the probe was attached."""
+        return self.engine.stats.since(self._start).seconds
 
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[phase] += time.perf_counter() - t
-                self.calls[phase] += 1
-                if phase == "neural":
-                    self.neural_rows += len(args[0])
-        setattr(obj, method, timed)
+    def _counted(self, proposer, name: str) -> None:
+        """Count the steps ``proposer`` drafts in (and the neural proposer's rows)."""
+        propose = proposer.propose
+
+        def counted(slots, *args, **kwargs):
+            self.calls[name] += 1
+            if name == "neural":
+                self.neural_rows += len(slots)
+            return propose(slots, *args, **kwargs)
+        proposer.propose = counted
 
     def proposers_of(self, rids: Sequence[str]) -> dict[str, dict]:
         """Rounds, drafts verified, accepted and verify-length counts by proposer over ``rids``."""

@@ -21,6 +21,8 @@ modules; only caching and masking are ours.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -45,9 +47,14 @@ class RaggedOutput:
     49k vocabulary is some 50 MB to zero and fill that no rule reads. Given packed (with
     ``grid``, the rows' layout), ``aux`` and ``last`` are laid out on first use too: a step
     whose rows verify different numbers of drafts would otherwise pad both for every row,
-    though the engine reads only the features, and only where a drafter needs them."""
+    though the engine reads only the features, and only where a drafter needs them.
 
-    def __init__(self, aux: torch.Tensor, last: torch.Tensor, *, logits: torch.Tensor | None = None,
+    ``aux`` may be given as the captured layers' hidden states, packed (a list of ``[N, d]``),
+    joined on first use: ``aux_rows`` then joins only the rows a drafter keeps, so a step whose
+    drafter keeps a few rows' context does not build every row's features."""
+
+    def __init__(self, aux: torch.Tensor | list[torch.Tensor], last: torch.Tensor, *,
+                 logits: torch.Tensor | None = None,
                  token_logits: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
                  grid: "_Grid | None" = None):
         if (logits is None) == (token_logits is None):
@@ -64,8 +71,34 @@ class RaggedOutput:
     @property
     def aux(self) -> torch.Tensor:
         """[R, Q, m*d] drafter features."""
+        if isinstance(self._aux, list):
+            self._aux = torch.cat(self._aux, dim=-1)
         self._aux = self._laid_out(self._aux)
         return self._aux
+
+    def aux_rows(self, rows: Sequence[int], width: int) -> torch.Tensor:
+        """``[len(rows), width, m*d]``: the drafter features of the first ``width`` tokens of ``rows``
+        (zeros past a row's length), built for those rows alone where the features are packed."""
+        if not isinstance(self._aux, list) and self._aux.dim() == 3:
+            return self._aux[torch.as_tensor(list(rows), dtype=torch.long), :width]
+        lengths = self._row_lengths()
+        starts = torch.cumsum(lengths, 0) - lengths
+        want = torch.as_tensor(list(rows), dtype=torch.long)
+        cells = torch.arange(width).unsqueeze(0) < lengths[want].clamp(max=width).unsqueeze(1)  # [n, width]
+        index = (starts[want].unsqueeze(1) + torch.arange(width).unsqueeze(0))[cells].to(self.last.device)
+        parts = self._aux if isinstance(self._aux, list) else [self._aux]
+        picked = torch.cat([p.index_select(0, index) for p in parts], dim=-1)
+        out = picked.new_zeros(len(want), width, picked.shape[-1])
+        out[cells.to(out.device)] = picked
+        return out
+
+    def _row_lengths(self) -> torch.Tensor:
+        """[R] new tokens per row (on the host)."""
+        if self.q_lens is not None:
+            return self.q_lens.cpu()
+        if self._grid.valid is None:
+            return torch.full((self._grid.rows,), self._grid.width)
+        return self._grid.valid.sum(1).cpu()
 
     @property
     def last(self) -> torch.Tensor:
@@ -251,18 +284,20 @@ class TargetRunner:
         heads = torch.cat([torch.arange(n_full, device=self.device), ends])
         logits = self.target.logits_from_last(last[heads])
         rest = _Grid(R - full_rows, int(q_lens[full_rows:].max()), None).sub(q_lens[full_rows:], self.device)
-        tail = RaggedOutput(logits=logits[n_full:].unsqueeze(1), aux=aux[n_full:], last=last[n_full:], grid=rest)
+        tail = RaggedOutput(logits=logits[n_full:].unsqueeze(1), aux=[a[n_full:] for a in aux], last=last[n_full:],
+                            grid=rest)
         if full_rows == 0:
             return None, tail
         head = _Grid(full_rows, int(q_lens[:full_rows].max()), None).sub(q_lens[:full_rows], self.device)
-        return RaggedOutput(token_logits=logits[:n_full], q_lens=q_lens[:full_rows], aux=aux[:n_full],
+        return RaggedOutput(token_logits=logits[:n_full], q_lens=q_lens[:full_rows], aux=[a[:n_full] for a in aux],
                             last=last[:n_full], grid=head), tail
 
     def _stack(self, ids, pos, mask, rows, wpos, grid, total, need_features, gather=None, apos=None):
         """Embedding -> decoder layers (writing the cache) -> final norm, on packed tokens
         ``ids [N]`` at positions ``pos [N]`` (cache slots ``rows``, written at ``wpos``);
         ``mask`` None: varlen attention of each token over its slot's keys up to ``apos``
-        (default ``wpos``), at most ``total``; -> (last [N, d], aux [N, m*d])."""
+        (default ``wpos``), at most ``total``; -> (last [N, d], the captured layers' states
+        ``[N, d]`` each: ``aux`` unjoined, see ``RaggedOutput``)."""
         apos = wpos if apos is None else apos
         dec = self.target.decoder
         h = dec.embed_tokens(ids)
@@ -283,8 +318,7 @@ class TargetRunner:
                 if need_features and li in self.layer_ids:
                     captured[li] = h
         last = dec.norm(h)
-        aux = torch.cat([captured[li] for li in self.layer_ids], dim=-1) if need_features \
-            else last.new_zeros(last.shape[0], 0)
+        aux = [captured[li] for li in self.layer_ids] if need_features else [last.new_zeros(last.shape[0], 0)]
         return last, aux
 
     @torch.no_grad()
@@ -311,7 +345,7 @@ class TargetRunner:
         # varlen attention reads keys up to each query's position, at most the first C
         last, aux = self._stack(ids.reshape(-1), pos.reshape(-1), mask, rows.reshape(-1), wpos.reshape(-1), grid, C,
                                 need_features=True, gather=slots, apos=pos.reshape(-1))
-        return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(aux),
+        return RaggedOutput(logits=grid.unpack(self.target.logits_from_last(last)), aux=grid.unpack(torch.cat(aux, -1)),
                             last=grid.unpack(last))
 
     def _layer(self, li, layer, h, cos, sin, mask, rows, dest, grid, total, gather=None, apos=None):

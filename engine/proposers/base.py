@@ -14,7 +14,12 @@ proposer must follow ``move``). The engine drives it through one cycle per reque
   that follows it may arrive in a later ``commit`` (the prompt's last position waits for
   the first sampled token).
 - ``commit_many(slots, tokens, features, counts)``: the same for every slot of an engine
-  phase in one call (the engine's way; a proposer may batch its bookkeeping).
+  phase in one call (the engine's way; a proposer may batch its bookkeeping). ``counts``
+  says how many positions the target ran for each slot; ``features`` None with ``counts``
+  means they ran but their features were withheld, because ``wants_features`` declined
+  them (a drafter keeping no context for that slot).
+- ``wants_features(slots)``: which of ``slots`` want their new positions' features, asked
+  before each commit, so the engine builds features only for the rows some proposer keeps.
 - ``propose(slots, temperature, noise)``: up to ``max_drafts`` drafts per slot that
   continue its committed sequence, as a ``DraftBatch``; ``noise`` is the randomness of
   sampled drafts, row by row (``dspark.plugins.coupled.RaceNoise``, built by the engine from
@@ -204,10 +209,16 @@ class Proposer(ABC):
                     features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
         """``commit`` for several slots at once (the engine calls it once per phase): ``tokens[i]``
         appended to ``slots[i]``; ``features [R, L, F]`` (or None): row i's first ``counts[i]`` rows
-        are the features of ``slots[i]``'s new positions. Default: one ``commit`` per slot; a
-        proposer overrides it to batch its bookkeeping."""
+        are the features of ``slots[i]``'s new positions (None with ``counts``: withheld, as
+        ``wants_features`` asked). Default: one ``commit`` per slot; a proposer overrides it to
+        batch its bookkeeping."""
         for i, s in enumerate(slots):
             self.commit(s, tokens[i], None if features is None else features[i, :counts[i]])
+
+    def wants_features(self, slots: Sequence[int]) -> list[bool]:
+        """Whether each of ``slots`` wants the features of its next positions; default: all of
+        them when the proposer ``needs_features``."""
+        return [self.needs_features] * len(slots)
 
     @abstractmethod
     def propose(self, slots: Sequence[int], temperature: torch.Tensor, noise=None) -> DraftBatch:

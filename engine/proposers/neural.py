@@ -123,20 +123,28 @@ class NeuralProposer(Proposer):
                     features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
         """Committed tokens of every slot, then their new positions' features into the ring in one
         write. While ``idle``, positions the end-of-phase cut would drop are cut now, unwritten (a
-        prompt chunk then costs the ring its last ``idle_context_tokens`` positions, not all)."""
+        prompt chunk then costs the ring its last ``idle_context_tokens`` positions, not all).
+        Positions counted without features (the engine withholds those ``wants_features``
+        declines), and those of a slot that keeps no context, are counted and dropped."""
         entries = []
-        dropping = self.idle and self.keep is not None
         for i, s in enumerate(slots):
             st = self._slots[s]
             st.tokens.extend(map(int, tokens[i]))
-            n = int(counts[i]) if features is not None else 0
-            if n and dropping and s not in self.keep:
+            n = int(counts[i]) if counts is not None else 0
+            if n and (features is None or not self._keeps_context(s)):
                 self._drop(st, n)
             elif n:
                 skip = self._cut_ahead(st, n) if self.idle else 0
                 entries.append((i, st, skip, n))
         if entries:
             self._store(features, entries)
+
+    def wants_features(self, slots: Sequence[int]) -> list[bool]:
+        """False for a slot that keeps no context (outside ``keep`` while ``idle``)."""
+        return [self._keeps_context(s) for s in slots]
+
+    def _keeps_context(self, slot: int) -> bool:
+        return not self.idle or self.keep is None or slot in self.keep
 
     @staticmethod
     def _drop(st: _SlotContext, n: int) -> None:

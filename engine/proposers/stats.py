@@ -8,7 +8,8 @@ request's verify step (a batch step of R requests is R rounds). From totals that
 
 ``EngineStats`` replaces the engine's stats dict: counters plus a ``ProposerStats`` per
 proposer (rounds, drafts verified, accepted, by position), so a hybrid run reports accepted
-per round by proposer. ``as_dict`` gives the legacy keys; ``since`` the difference to an
+per round by proposer, and the host time of each engine phase (``PHASES``), so a run reports
+where its steps went. ``as_dict`` gives the legacy keys; ``since`` the difference to an
 earlier ``snapshot`` (what a benchmark measured over its run).
 """
 from __future__ import annotations
@@ -17,7 +18,14 @@ import copy
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["accept_len", "accept_len_of_rounds", "ProposerStats", "EngineStats"]
+__all__ = ["accept_len", "accept_len_of_rounds", "ProposerStats", "EngineStats", "PHASES"]
+
+# The engine's timed phases: "step" (whole steps), and within them "prefill" (prompt chunks that run
+# outside a verify pass, and committing every chunk), "neural" and "suffix" (the proposers' drafting),
+# "verify" (the target pass, with any prompt chunks fused into it, and the verify rule). What a step
+# spends outside them is host work: admission, gates, scheduling, commits, emitting tokens. Wall
+# time on the host: on an accelerator, queued work counts in the phase that waits for it.
+PHASES = ("step", "prefill", "neural", "suffix", "verify")
 
 
 def accept_len(accepted: int, rounds: int) -> float | None:
@@ -86,6 +94,8 @@ class EngineStats:
     skipped_draft_steps: int = 0  # decode steps the drafting gate ran without drafts
     total: ProposerStats = field(default_factory=ProposerStats)  # every request round
     by_proposer: dict[str, ProposerStats] = field(default_factory=dict)
+    # host wall seconds by engine phase (PHASES): "step" the whole steps, the others parts of them
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def record_round(self, proposer: str, verify_len: int, accepted: int) -> None:
         """One request's verify round with drafts from ``proposer`` (the null proposer's name for none)."""
@@ -111,7 +121,8 @@ class EngineStats:
             emitted_tokens=self.emitted_tokens - earlier.emitted_tokens,
             skipped_draft_steps=self.skipped_draft_steps - earlier.skipped_draft_steps,
             total=self.total.since(earlier.total),
-            by_proposer={k: v.since(earlier.by_proposer.get(k, empty)) for k, v in self.by_proposer.items()})
+            by_proposer={k: v.since(earlier.by_proposer.get(k, empty)) for k, v in self.by_proposer.items()},
+            seconds={k: v - earlier.seconds.get(k, 0.0) for k, v in self.seconds.items()})
 
     def __getitem__(self, key: str):
         """The legacy dict's view: ``stats["accepted_tokens"]`` is ``as_dict()["accepted_tokens"]``."""

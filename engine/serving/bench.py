@@ -4,7 +4,9 @@
 concurrency, keep that many streaming requests in flight (closed loop) until
 ``num_requests`` finished; report TTFT, ITL (time per output token after the first),
 end-to-end latency percentiles, output tokens/s, requests/s and accept_len; with the server's
-metrics URL also accept_len by proposer (the ``dspark_proposer_*`` counters over the run).
+metrics URL also accept_len by proposer (the ``dspark_proposer_*`` counters over the run) and
+the engine's ms per step by phase (the ``dspark_engine_*`` counters), which says where a
+system's steps went under that load.
 
 Two throughputs per run. ``output tokens/s`` is the run's tokens over its wall time, the drain
 at the end included: once the last request is sent, fewer than ``concurrency`` streams remain,
@@ -132,16 +134,62 @@ def parse_proposer_counters(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def scrape_proposer_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, dict[str, float]] | None:
-    """The server's proposer counters now, or None without a URL or when it cannot be read."""
+_ENGINE_LINE = re.compile(r'^dspark_engine_(seconds|steps|decode_steps)_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+
+
+def parse_engine_counters(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{"steps", "decode_steps", "seconds:<phase>"...}``, summed over models
+    (only the model under load advances during a run)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _ENGINE_LINE.match(line.strip())
+        if not m:
+            continue
+        key = m.group(1)
+        if key == "seconds":
+            phase = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))).get("phase")
+            if phase is None:
+                continue
+            key = f"seconds:{phase}"
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def _scrape(metrics_url: str | None, parse, timeout: float):
     if not metrics_url:
         return None
     import urllib.request
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout) as resp:
-            return parse_proposer_counters(resp.read().decode("utf-8", "replace"))
+            return parse(resp.read().decode("utf-8", "replace"))
     except OSError:
         return None
+
+
+def scrape_proposer_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, dict[str, float]] | None:
+    """The server's proposer counters now, or None without a URL or when it cannot be read."""
+    return _scrape(metrics_url, parse_proposer_counters, timeout)
+
+
+def scrape_engine_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | None:
+    """The server's engine step and phase counters now, or None without a URL or when unreadable."""
+    return _scrape(metrics_url, parse_engine_counters, timeout)
+
+
+def engine_window(before: dict | None, after: dict | None) -> dict | None:
+    """Engine steps between two scrapes and ms per step by phase: ``step`` (whole steps), its parts
+    ``verify``, ``neural``, ``suffix``, ``prefill``, and ``host`` (what the parts leave); None when
+    either scrape is missing or no step ran."""
+    if before is None or after is None:
+        return None
+    gain = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    steps = int(round(gain.get("steps", 0.0)))
+    if steps <= 0:
+        return None
+    ms = {p: round(1000.0 * gain.get(f"seconds:{p}", 0.0) / steps, 3)
+          for p in ("step", "verify", "neural", "suffix", "prefill")}
+    ms["host"] = round(ms["step"] - ms["verify"] - ms["neural"] - ms["suffix"] - ms["prefill"], 3)
+    return {"steps": steps, "decode_steps": int(round(gain.get("decode_steps", 0.0))), "ms_per_step": ms}
 
 
 def proposer_window(before: dict | None, after: dict | None) -> dict[str, dict] | None:
@@ -223,12 +271,13 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
                     "server whose shared suffix index saw a prompt's answer drafts it back (pass more --prompts)")
             cursor += n
             for system in (systems if rounds % 2 == 0 else systems[::-1]):
-                before = scrape_proposer_counters(metrics_url)
+                before = scrape_proposer_counters(metrics_url), scrape_engine_counters(metrics_url)
                 results, wall = run_level(url, SYSTEMS[system], chosen, c, n, max_tokens, temperature)
-                if before is not None:
+                if before[0] is not None:
                     time.sleep(0.5)  # the model publishes its counters on its 0.1 s poll
                 row = summarize(system, c, results, wall)
-                row["by_proposer"] = proposer_window(before, scrape_proposer_counters(metrics_url))
+                row["by_proposer"] = proposer_window(before[0], scrape_proposer_counters(metrics_url))
+                row["engine"] = engine_window(before[1], scrape_engine_counters(metrics_url))
                 runs[system].append(row)
                 log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  "
                     f"sustained {row['sustained_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
@@ -293,6 +342,19 @@ def markdown(report: dict) -> str:
         lines += ["", "`output tok/s`: the run's tokens over its wall time, the drain at the end included (after the "
                   "last request is sent fewer streams remain). `sustained tok/s`: tokens received while every stream "
                   "was busy (first request sent to last) over that window, the rate held at that concurrency."]
+    timed = [r for r in report["results"] if r.get("engine")]
+    if timed:
+        lines += ["", "Engine time per step (ms, the run shown above), from the server's `dspark_engine_*` counters:",
+                  "", "| system | concurrency | steps | decode steps | step | verify | neural | suffix | prefill | host |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in timed:
+            e, ms = r["engine"], r["engine"]["ms_per_step"]
+            lines.append(f"| {r['system']} | {r['concurrency']} | {e['steps']} | {e['decode_steps']} | "
+                         + " | ".join(f"{ms[p]:.1f}" for p in ("step", "verify", "neural", "suffix", "prefill", "host"))
+                         + " |")
+        lines += ["", "`verify`: the target pass (prompt chunks fused into it included) and the verify rule; "
+                  "`prefill`: prompt chunks run outside a verify pass, and committing every chunk; `host`: the rest "
+                  "of the step (admission, gates, scheduling, commits, emitting tokens)."]
     if any(r.get("by_proposer") for r in report["results"]):
         lines += ["", "`accept_len by proposer`: tokens per verify round over the rounds each proposer drafted, from the "
                   "server's `dspark_proposer_*` counters over the run (rounds without drafts not counted)."]

@@ -319,6 +319,7 @@ class LLMService:
                 stats = getattr(self.engine, "stats", None)  # SpecEngine's EngineStats; other engines have none
                 if stats is not None and hasattr(stats, "by_proposer"):
                     self.metrics.proposer_totals(stats.by_proposer)
+                    self.metrics.engine_totals(stats)
             for rid, live in items:
                 if live.cancel_requested:
                     continue

@@ -40,6 +40,10 @@ METRICS = {
     "dspark_proposer_rounds_total": (COUNTER, "Verify rounds by the proposer that drafted them", "proposer", None),
     "dspark_proposer_draft_tokens_total": (COUNTER, "Draft tokens verified, by proposer", "proposer", None),
     "dspark_proposer_accepted_tokens_total": (COUNTER, "Draft tokens accepted, by proposer", "proposer", None),
+    # where the engine's time goes (EngineStats.seconds): ms per step by phase over any window
+    "dspark_engine_seconds_total": (COUNTER, "Engine host seconds by phase (step: whole steps; prefill, neural, suffix, verify: parts of them)", "phase", None),
+    "dspark_engine_steps_total": (COUNTER, "Engine steps", None, None),
+    "dspark_engine_decode_steps_total": (COUNTER, "Engine steps that verified a decode batch", None, None),
 }
 PROPOSER_COUNTERS = (("dspark_proposer_rounds_total", "rounds"), ("dspark_proposer_draft_tokens_total", "drafted"),
                      ("dspark_proposer_accepted_tokens_total", "accepted"))
@@ -52,6 +56,7 @@ class ServingMetrics:
         self._metrics: dict[tuple[str, str | None], object] = {}
         self._lock = threading.Lock()
         self._proposer_seen: dict[str, dict[str, int]] = {}  # proposer -> totals already counted
+        self._engine_seen: dict[tuple[str, str | None], float] = {}  # (metric, phase) -> total already counted
 
     def _metric(self, name: str, extra: str | None = None):
         key = (name, extra)
@@ -108,6 +113,19 @@ class ServingMetrics:
                 if now > last.get(field, 0):
                     self._metric(metric, name).increment(now - last.get(field, 0))
             seen[name] = {field: int(getattr(st, field)) for _, field in PROPOSER_COUNTERS}
+
+
+    def engine_totals(self, stats) -> None:
+        """The engine's running step counts and phase seconds (an ``EngineStats``): the counters
+        advance by what is new since the last call."""
+        seen = self._engine_seen
+        now = {("dspark_engine_steps_total", None): stats.steps,
+               ("dspark_engine_decode_steps_total", None): stats.decode_steps}
+        now.update({("dspark_engine_seconds_total", phase): sec for phase, sec in stats.seconds.items()})
+        for key, value in now.items():
+            if value > seen.get(key, 0):
+                self._metric(*key).increment(value - seen.get(key, 0))
+                seen[key] = value
 
 
 class InMemoryFamily:

@@ -172,3 +172,34 @@ def test_the_benchmark_compares_block_and_per_token_reads_and_writes_its_tables(
     bench.write(records, tmp_path, 2, "python scripts/bench_cpu_attention.py")
     md = (tmp_path / "cpu_attention.md").read_text()
     assert "| 2 | 3 |" in md and (tmp_path / "cpu_attention.json").exists()
+
+
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_aux_rows_builds_the_chosen_rows_features_as_the_whole_grid_holds_them(attention):
+    """``aux_rows`` joins the captured layers for the chosen rows alone; each row's cells equal the
+    laid-out grid's, zeros past its length, for a ragged verify pass and both halves of a mixed one."""
+    target = make_tiny_target("qwen3")
+    g = torch.Generator().manual_seed(4)
+    old = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    verify = [[20, 21, 22], [23], [24, 25]]
+    prompts = [torch.randint(6, 64, (n,), generator=g).tolist() for n in (10, 4)]
+
+    def outputs():
+        r = TargetRunner(target, max_slots=5, max_context=64, attention=attention)
+        r.forward([0, 1, 2], old, last_logits_only=True)
+        for s, p in enumerate(old):
+            r.set_length(s, len(p))
+        ragged = r.forward([0, 1, 2], verify)
+        head, tail = r.forward_mixed([0, 1, 2, 3, 4], verify + prompts, 3)
+        return [(ragged, [len(t) for t in verify]), (head, [len(t) for t in verify]),
+                (tail, [len(t) for t in prompts])]
+
+    for rows, width in [([1], 1), ([0, 2], 3), ([2, 0], 2), ([0, 1], 10)]:
+        for (out, lens), (whole, _) in zip(outputs(), outputs()):
+            rows_ = [r for r in rows if r < len(lens)]
+            picked = out.aux_rows(rows_, width)  # before anything joins the whole grid
+            assert picked.shape == (len(rows_), width, whole.aux.shape[-1])
+            for j, r in enumerate(rows_):
+                n = min(lens[r], width)
+                torch.testing.assert_close(picked[j, :n], whole.aux[r, :n], rtol=1e-5, atol=1e-5)
+                assert not picked[j, n:].any()

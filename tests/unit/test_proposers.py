@@ -14,9 +14,11 @@ from dspark.engine.api import SamplingParams
 from dspark.engine.proposers import (DraftBatch, EngineStats, NullProposer, ProposerCost, ProposerStats,
                                      SuffixConfig, SuffixProposer, accept_len, accept_len_of_rounds)
 from dspark.engine.proposers.neural import MAX_BACKLOG_TOKENS, NeuralProposer
+from dspark.engine.proposers.stats import PHASES
 from dspark.engine.runtime import EngineConfig, SpecEngine
+from dspark.engine.sidebyside import EngineProbe
 from dspark.engine.sps import SpsTable
-from dspark.engine.target_runner import TargetRunner
+from dspark.engine.target_runner import RaggedOutput, TargetRunner
 from dspark.plugins.reference import verify
 from dspark.training.metrics import accept_len as accept_len_training
 from dspark.training.models import build_drafter, drafter_config_for
@@ -274,6 +276,65 @@ def test_an_idle_proposer_keeps_no_context_for_a_slot_outside_keep():
     prop.runner.append = lambda rows: seen.extend(r[1][:, 0].long().tolist() for r in rows)
     prop._flush([0])
     assert seen == [[40]] and int(prop.runner.cache.lengths[0]) == 0  # reset, then the one new position
+
+
+def test_the_engine_builds_features_only_for_the_rows_its_drafter_keeps(monkeypatch):
+    """While the drafter keeps context for slot 0 alone, every feature the engine builds (prompt
+    chunks and verify rounds) is slot 0's, the whole grid is never joined, and greedy output is
+    still the target's own."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    jobs = [(f"r{i}", [3 + (5 * i + 7 * k) % 50 for k in range(6 + 3 * i)], SamplingParams(max_tokens=12))
+            for i in range(3)]
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=3)), jobs)
+    eng = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="fixed", max_batch=3, prefill_chunk=4,
+                                                   static_steps="off"))
+
+    def only_slot_0():
+        eng.neural.idle, eng.neural.keep = True, frozenset({0})
+    eng._mark_idle = only_slot_0
+    built, joined = [], []
+    aux_rows, aux = RaggedOutput.aux_rows, RaggedOutput.aux
+
+    def recording_rows(out, rows, width):
+        built.append(list(rows))
+        return aux_rows(out, rows, width)
+    monkeypatch.setattr(RaggedOutput, "aux_rows", recording_rows)
+    monkeypatch.setattr(RaggedOutput, "aux", property(lambda out: joined.append(1) or aux.fget(out)))
+    slots_of = []
+    commit_many = eng.neural.commit_many
+    eng.neural.commit_many = lambda slots, tokens, features=None, counts=None: (
+        slots_of.append((list(slots), features is not None)), commit_many(slots, tokens, features, counts))[1]
+    out = run_to_completion(eng, jobs)
+    assert out == base
+    assert built and all(len(rows) == 1 for rows in built) and not joined  # slot 0's row alone
+    assert all(slots == [0] for slots, with_features in slots_of if with_features)
+    assert any(0 not in slots for slots, with_features in slots_of if not with_features)
+
+
+def test_the_engine_times_its_phases_and_the_probe_splits_steps_by_them():
+    """``EngineStats.seconds``: every phase timed, the parts within the steps; ``EngineProbe`` shares
+    each decode step's time among its rows by that clock, and ``since`` windows it."""
+    target = make_tiny_target()
+    drafter = build_drafter(drafter_config_for(tiny_run_config("dspark"), target), target)
+    eng = SpecEngine(target, drafter, EngineConfig(scheduler="fixed", max_batch=2, prefill_chunk=4,
+                                                   proposers="neural+suffix", static_steps="off"))
+    jobs = [(f"r{i}", [3 + (5 * i + 7 * k) % 50 for k in range(9)], SamplingParams(max_tokens=10)) for i in range(3)]
+    run_to_completion(eng, jobs[:1])
+    start = eng.stats.snapshot()
+    probe = EngineProbe(eng)
+    run_to_completion(eng, jobs[1:])
+    s = eng.stats.since(start).seconds
+    assert set(s) == set(PHASES) and s == pytest.approx(probe.seconds)
+    assert min(s.values()) > 0.0
+    assert s["prefill"] + s["neural"] + s["suffix"] + s["verify"] <= s["step"]
+    ms = probe.step_ms()
+    assert ms["decode_steps"] == eng.stats.since(start).decode_steps > 0
+    assert ms["total"] * ms["decode_steps"] == pytest.approx(1000 * (s["step"] - s["prefill"]))
+    rounds = probe.round_ms_of([rid for rid, _, _ in jobs[1:]])
+    assert rounds["rounds"] == eng.stats.since(start).rounds
+    # the rows' shares are the decode time of the steps that had decode rows: at most all of it
+    assert 0.0 < rounds["total"] * rounds["rounds"] <= 1000 * (s["step"] - s["prefill"]) * (1 + 1e-9)
 
 
 def test_a_ring_grown_for_a_long_prompt_is_dropped_with_the_last_slot():

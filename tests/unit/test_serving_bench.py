@@ -162,6 +162,44 @@ def test_proposer_counters_are_published_as_increments_and_read_back_per_run():
     assert bench.scrape_proposer_counters("http://127.0.0.1:9/metrics", timeout=0.5) is None  # unreachable: None
 
 
+def test_engine_phase_counters_are_published_as_increments_and_read_back_as_ms_per_step():
+    """The model publishes the engine's step counts and phase seconds; the client turns a run's
+    gain into ms per step by phase, host being what the timed phases leave."""
+    from types import SimpleNamespace
+
+    from dspark.engine.serving.metrics import InMemoryFamily, ServingMetrics
+
+    families = {}
+
+    def family(name, desc, kind):
+        families[name] = InMemoryFamily(name, desc, kind)
+        return families[name]
+    m = ServingMetrics(family, {"model": "dspark_llm"})
+    seconds = {"step": 1.0, "prefill": 0.1, "neural": 0.05, "suffix": 0.01, "verify": 0.7}
+    m.engine_totals(SimpleNamespace(steps=10, decode_steps=8, seconds=seconds))
+    m.engine_totals(SimpleNamespace(steps=30, decode_steps=26, seconds={**seconds, "step": 3.0, "verify": 2.3}))
+    (step,) = [x for x in families["dspark_engine_seconds_total"].metrics if x.labels["phase"] == "step"]
+    assert step.value == pytest.approx(3.0) and families["dspark_engine_steps_total"].metrics[0].value == 30
+
+    def text(steps, decode, secs):
+        return "\n".join([f'dspark_engine_steps_total{{model="dspark_llm"}} {steps}',
+                          f'dspark_engine_decode_steps_total{{model="dspark_llm"}} {decode}',
+                          'nv_inference_count{model="a"} 3'] +
+                         [f'dspark_engine_seconds_total{{model="dspark_llm",phase="{p}"}} {v}' for p, v in secs.items()])
+    before = bench.parse_engine_counters(text(10, 8, seconds))
+    after = bench.parse_engine_counters(text(30, 26, {**seconds, "step": 3.0, "verify": 2.3, "neural": 0.25}))
+    window = bench.engine_window(before, after)
+    assert window["steps"] == 20 and window["decode_steps"] == 18
+    assert window["ms_per_step"] == pytest.approx({"step": 100.0, "verify": 80.0, "neural": 10.0, "suffix": 0.0,
+                                                   "prefill": 0.0, "host": 10.0})
+    assert bench.engine_window(before, before) is None and bench.engine_window(None, after) is None
+    row = {"system": "spec", "concurrency": 64, "output_tokens_per_s": 1.0, "requests_per_s": 1.0,
+           "ttft_ms": {"p50": 1, "p90": 1, "p99": 1}, "itl_ms": {"p50": 1, "p90": 1, "p99": 1},
+           "e2e_ms": {"p50": 1, "p90": 1, "p99": 1}, "accept_len": 1.0, "engine": window}
+    assert "| spec | 64 | 20 | 18 | 100.0 | 80.0 | 10.0 | 0.0 | 0.0 | 10.0 |" in bench.markdown(
+        {"command": "x", "device": "cpu", "results": [row]})
+
+
 def test_every_round_of_every_level_sends_prompts_no_earlier_round_sent(monkeypatch):
     sent = []
 
