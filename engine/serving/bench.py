@@ -298,7 +298,7 @@ def _by_proposer_text(by: dict | None) -> str:
 
 def combine_runs(runs: list[dict]) -> dict:
     """The runs of one (system, level) -> one row: the statistics of the median-throughput run (the
-    lower one of an even count), every run's throughput and TTFT p50 in ``*_runs`` (in round order,
+    lower one of an even count), every run's throughput, TTFT p50 and engine split in ``*_runs`` (in round order,
     so the systems' runs pair up), and ``requests`` / ``failed`` summed over all runs, so that a
     failure in any run shows."""
     if len(runs) == 1:
@@ -308,7 +308,8 @@ def combine_runs(runs: list[dict]) -> dict:
     row.update(repeats=len(runs), requests=sum(r["requests"] for r in runs), failed=sum(r["failed"] for r in runs),
                output_tokens_per_s_runs=[r["output_tokens_per_s"] for r in runs],
                sustained_tokens_per_s_runs=[r.get("sustained_tokens_per_s") for r in runs],
-               ttft_p50_ms_runs=[r["ttft_ms"]["p50"] for r in runs])
+               ttft_p50_ms_runs=[r["ttft_ms"]["p50"] for r in runs],
+               engine_runs=[r.get("engine") for r in runs])
     return row
 
 
