@@ -85,7 +85,7 @@ class RaggedOutput:
         starts = torch.cumsum(lengths, 0) - lengths
         want = torch.as_tensor(list(rows), dtype=torch.long)
         cells = torch.arange(width).unsqueeze(0) < lengths[want].clamp(max=width).unsqueeze(1)  # [n, width]
-        index = (starts[want].unsqueeze(1) + torch.arange(width).unsqueeze(0))[cells].to(self.last.device)
+        index = (starts[want].unsqueeze(1) + torch.arange(width).unsqueeze(0))[cells].to(self._last.device)
         parts = self._aux if isinstance(self._aux, list) else [self._aux]
         picked = torch.cat([p.index_select(0, index) for p in parts], dim=-1)
         out = picked.new_zeros(len(want), width, picked.shape[-1])
