@@ -155,25 +155,27 @@ def parse_engine_counters(text: str) -> dict[str, float]:
     return out
 
 
-def _scrape(metrics_url: str | None, parse, timeout: float):
+def scrape_metrics(metrics_url: str | None, timeout: float = 5.0) -> str | None:
+    """The server's metrics text now, or None without a URL or when it cannot be read."""
     if not metrics_url:
         return None
     import urllib.request
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout) as resp:
-            return parse(resp.read().decode("utf-8", "replace"))
+            return resp.read().decode("utf-8", "replace")
     except OSError:
         return None
 
 
 def scrape_proposer_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, dict[str, float]] | None:
     """The server's proposer counters now, or None without a URL or when it cannot be read."""
-    return _scrape(metrics_url, parse_proposer_counters, timeout)
+    text = scrape_metrics(metrics_url, timeout)
+    return None if text is None else parse_proposer_counters(text)
 
 
-def scrape_engine_counters(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | None:
-    """The server's engine step and phase counters now, or None without a URL or when unreadable."""
-    return _scrape(metrics_url, parse_engine_counters, timeout)
+def _parsed(parse, *texts: str | None) -> list:
+    """Each metrics text through ``parse`` (None stays None)."""
+    return [None if t is None else parse(t) for t in texts]
 
 
 def engine_window(before: dict | None, after: dict | None) -> dict | None:
@@ -182,13 +184,13 @@ def engine_window(before: dict | None, after: dict | None) -> dict | None:
     either scrape is missing or no step ran."""
     if before is None or after is None:
         return None
+    from ..proposers.stats import PHASES
     gain = {k: v - before.get(k, 0.0) for k, v in after.items()}
     steps = int(round(gain.get("steps", 0.0)))
     if steps <= 0:
         return None
-    ms = {p: round(1000.0 * gain.get(f"seconds:{p}", 0.0) / steps, 3)
-          for p in ("step", "verify", "neural", "suffix", "prefill")}
-    ms["host"] = round(ms["step"] - ms["verify"] - ms["neural"] - ms["suffix"] - ms["prefill"], 3)
+    ms = {p: round(1000.0 * gain.get(f"seconds:{p}", 0.0) / steps, 3) for p in PHASES}
+    ms["host"] = round(ms["step"] - sum(ms[p] for p in PHASES if p != "step"), 3)
     return {"steps": steps, "decode_steps": int(round(gain.get("decode_steps", 0.0))), "ms_per_step": ms}
 
 
@@ -271,13 +273,14 @@ def sweep(url: str, prompts: list[str], concurrencies: list[int], systems: list[
                     "server whose shared suffix index saw a prompt's answer drafts it back (pass more --prompts)")
             cursor += n
             for system in (systems if rounds % 2 == 0 else systems[::-1]):
-                before = scrape_proposer_counters(metrics_url), scrape_engine_counters(metrics_url)
+                before = scrape_metrics(metrics_url)
                 results, wall = run_level(url, SYSTEMS[system], chosen, c, n, max_tokens, temperature)
-                if before[0] is not None:
+                if before is not None:
                     time.sleep(0.5)  # the model publishes its counters on its 0.1 s poll
+                after = scrape_metrics(metrics_url)
                 row = summarize(system, c, results, wall)
-                row["by_proposer"] = proposer_window(before[0], scrape_proposer_counters(metrics_url))
-                row["engine"] = engine_window(before[1], scrape_engine_counters(metrics_url))
+                row["by_proposer"] = proposer_window(*_parsed(parse_proposer_counters, before, after))
+                row["engine"] = engine_window(*_parsed(parse_engine_counters, before, after))
                 runs[system].append(row)
                 log(f"{system:12s} c={c:<4d} {row['output_tokens_per_s']} tok/s  "
                     f"sustained {row['sustained_tokens_per_s']} tok/s  {row['requests_per_s']} req/s  "
