@@ -144,30 +144,42 @@ class DraftGate:
         return seconds_at(seconds, rows) + seconds_at(seconds, tokens + prompt_tokens) - seconds_at(
             seconds, rows + prompt_tokens)
 
-    def expected_gain(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0) -> float:
+    def _verified_and_accepted(self, requests: int, budget: int | None) -> tuple[float, float]:
+        """Drafts verified and accepted in a step drafting ``requests`` rows: the per-row averages
+        times the rows, the verified ones capped at the step's ``budget`` (the scheduler verifies
+        no more, ``VerifyLengthPolicy.draft_budget``), the accepted ones scaled down with them."""
+        verified, accepted = requests * (self.verified or 0.0), requests * (self.accepted or 0.0)
+        if budget is not None and verified > budget:
+            accepted *= budget / verified
+            verified = float(budget)
+        return verified, accepted
+
+    def expected_gain(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
+                      budget: int | None = None) -> float:
         """Predicted output rate of a step that drafts ``requests`` rows over a plain one (>=1: draft),
-        in a step of ``batch_rows`` rows (default: those rows alone) and ``prompt_tokens`` prompt tokens."""
+        in a step of ``batch_rows`` rows (default: those rows alone) and ``prompt_tokens`` prompt tokens
+        that verifies at most ``budget`` drafts (None: no bound)."""
         if self.accepted is None:
             return float("inf")
         batch = _step_rows(requests, batch_rows)
+        verified, accepted = self._verified_and_accepted(requests, budget)
         t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
-        t_drafted = self.draft_time(requests) + self._step_time(
-            batch, batch + round(requests * self.verified), prompt_tokens)
-        return (batch + requests * self.accepted) / batch * t_plain / t_drafted
+        t_drafted = self.draft_time(requests) + self._step_time(batch, batch + round(verified), prompt_tokens)
+        return (batch + accepted) / batch * t_plain / t_drafted
 
-    def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None) -> float:
+    def probe_cost(self, requests: int, rows: int, batch_rows: int | None = None, budget: int | None = None) -> float:
         """Predicted extra time of a probe drafting ``rows`` of ``requests`` in a step of ``batch_rows``
         rows (default ``requests``), in plain steps: the rows' context catch-up, the drafter pass
-        and the verify tokens it adds (its accepted tokens are not counted)."""
+        and the verify tokens it adds, at most ``budget`` (its accepted tokens are not counted)."""
         batch = _step_rows(requests, batch_rows)
         t_plain = self._step_time(batch)
-        verified = round(rows * (self.verified or 0.0))
+        verified = round(self._verified_and_accepted(rows, budget)[0])
         extra = self.catchup_time(rows) + self.draft_time(rows) + self._step_time(batch, batch + verified) - t_plain
         return extra / t_plain
 
-    def probe_cap(self, requests: int, rows: int, batch_rows: int | None = None) -> int:
+    def probe_cap(self, requests: int, rows: int, batch_rows: int | None = None, budget: int | None = None) -> int:
         """The longest probe interval needed to keep probing within ``probe_budget`` of the run."""
-        needed = math.ceil(self.probe_cost(requests, rows, batch_rows) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
+        needed = math.ceil(self.probe_cost(requests, rows, batch_rows, budget) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
         return max(self.min_probe, min(needed, self.max_probe))
 
     def expects_skipping(self, requests: int) -> bool:
@@ -180,16 +192,18 @@ class DraftGate:
             return not cheap and min(self.probe_rows, requests) < requests
         return self.skipping
 
-    def rows_to_draft(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0) -> int:
+    def rows_to_draft(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
+                      budget: int | None = None) -> int:
         """How many of ``requests`` rows draft this step, in a step of ``batch_rows`` rows (default
-        ``requests``; the others ride along) and ``prompt_tokens`` prompt tokens: all when drafting is
-        predicted to pay, none when it is not, ``min(probe_rows, requests)`` on a probe step."""
+        ``requests``; the others ride along) and ``prompt_tokens`` prompt tokens that verifies at most
+        ``budget`` drafts: all when drafting is predicted to pay, none when it is not,
+        ``min(probe_rows, requests)`` on a probe step."""
         batch = _step_rows(requests, batch_rows)
         if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
             rows = requests  # too cheap to gate
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
-        elif self.expected_gain(requests, batch_rows, prompt_tokens) >= 1.0:  # ties draft: nothing to lose
+        elif self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0:  # ties draft: nothing to lose
             self.skipped = 0
             self.probe = self.min_probe
             rows = requests
@@ -200,7 +214,7 @@ class DraftGate:
                 self.skipped = 0
                 rows = min(self.probe_rows, requests)
                 grown = math.ceil(self.probe_growth * self.probe)
-                self.probe = min(grown, self.probe_cap(requests, rows, batch_rows))
+                self.probe = min(grown, self.probe_cap(requests, rows, batch_rows, budget))
         self.skipping = rows < requests
         if rows:
             self.drafted_steps += 1
@@ -224,14 +238,14 @@ def _step_rows(requests: int, batch_rows: int | None) -> int:
 
 
 def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[int],
-               batch_rows: int | None = None, prompt_tokens: int = 0) -> list[int]:
+               batch_rows: int | None = None, prompt_tokens: int = 0, budget: int | None = None) -> list[int]:
     """The rows of ``rows`` (of a step of ``batch_rows`` rows, default ``len(rows)``, with
-    ``prompt_tokens`` prompt tokens) that draft this step: every one without a gate, else as many as
-    ``gate.rows_to_draft`` allows, those that drafted least recently (``last_drafted[i]``, an engine
-    round) first, ties by row; in row order."""
+    ``prompt_tokens`` prompt tokens, verifying at most ``budget`` drafts) that draft this step: every
+    one without a gate, else as many as ``gate.rows_to_draft`` allows, those that drafted least
+    recently (``last_drafted[i]``, an engine round) first, ties by row; in row order."""
     if not rows or gate is None:
         return rows
-    n = gate.rows_to_draft(len(rows), batch_rows, prompt_tokens)
+    n = gate.rows_to_draft(len(rows), batch_rows, prompt_tokens, budget)
     if n == len(rows):
         return rows
     return sorted(least_recent(rows, last_drafted, n))

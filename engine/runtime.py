@@ -468,7 +468,8 @@ class SpecEngine:
             caps.append(max(0, min(self.K, remaining - 1, room)))
         return torch.tensor(caps, dtype=torch.long)
 
-    def _neural_rows(self, reqs: list[_Request], suffix: DraftBatch | None, fused_tokens: int = 0) -> list[int]:
+    def _neural_rows(self, reqs: list[_Request], suffix: DraftBatch | None, fused_tokens: int = 0,
+                     budget: int | None = None) -> list[int]:
         """Rows of ``reqs`` that run the neural pass this step.
 
         A row whose suffix proposal already wins, i.e. expects at least as many accepted drafts
@@ -488,7 +489,7 @@ class SpecEngine:
             # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
         return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs),
-                          prompt_tokens=fused_tokens)
+                          prompt_tokens=fused_tokens, budget=budget)
 
     def _neural_estimate(self) -> float:
         """The neural drafter's expected accepted drafts per drafted row: the gate's shrunk running
@@ -503,6 +504,10 @@ class SpecEngine:
         """Every row's proposal for this round (one row per request, width ``K`` at most);
         ``fused_tokens`` prompt tokens ride in the same target pass (the gates price them).
 
+        Nothing is proposed in a step whose scheduler could verify no draft whatever the
+        confidences (``VerifyLengthPolicy.draft_budget``: on a CPU beside many rows a draft can cost
+        more than a token); in the others the gates weigh what at most that budget of drafts gains.
+
         The suffix proposer (deterministic) drafts every row first; the neural pass runs only for
         ``_neural_rows``. A row with both takes the suffix proposal where it expects more accepted
         drafts, unless the row is rejection-sampled: there the neural drafts were drawn at random
@@ -512,9 +517,14 @@ class SpecEngine:
         slots = [r.slot for r in reqs]
         suffix = None
         self._suffix_looked = []
+        budget = self.policy.draft_budget(R, fused_tokens, limit=R * self.K)
+        if budget == 0:
+            if self.neural is not None:
+                self.stats.skipped_draft_steps += 1
+            return DraftBatch.empty(R, 0, source=self.proposers[0].name)
         if self.suffix is not None:
             looked = gated_rows(self.suffix_gate, list(range(R)), [r.last_suffix for r in reqs],
-                                prompt_tokens=fused_tokens)
+                                prompt_tokens=fused_tokens, budget=budget)
             if looked:
                 with self._timed("suffix"):
                     drafts = self.suffix.propose([slots[i] for i in looked], temps[looked])
@@ -522,7 +532,7 @@ class SpecEngine:
                 for i in looked:
                     reqs[i].last_suffix = self.stats.decode_steps
             self._suffix_looked = looked
-        rows = self._neural_rows(reqs, suffix, fused_tokens)
+        rows = self._neural_rows(reqs, suffix, fused_tokens, budget)
         if self.neural is not None and not rows:
             self.stats.skipped_draft_steps += 1
         neural = None

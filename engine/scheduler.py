@@ -18,6 +18,10 @@ verify step (``dspark.plugins.reference.verify``) then ignores drafts past ``l``
   global search of Theta over the confidences of two steps earlier; this step's candidates
   are ranked by their current ``a`` and the top ``capacity`` are admitted.
 
+``draft_budget(rows, prompt_tokens)``: the most drafts a policy can verify in a step of that
+many rows whatever the confidences (``walk_draft_bound`` for the two walks, None for the
+others); the engine proposes nothing in a step whose budget is 0 (docs/runtime.md).
+
 Registry names (``make_scheduler``): ``fixed``, ``threshold``, ``algorithm1``, ``no_slowdown``, ``async``.
 
 Why these are lossless. Drafts are ``x_0..x_{K-1}``. Speculative sampling stays exact when
@@ -72,6 +76,7 @@ __all__ = [
     "NoSlowdownScheduler",
     "guarded_schedule_prefix",
     "step_time",
+    "walk_draft_bound",
     "UnknownSchedulerError",
     "SCHEDULERS",
     "SPS_SCHEDULERS",
@@ -151,6 +156,14 @@ class VerifyLengthPolicy(ABC):
               request_ids: Sequence[str] | None, prompt_tokens: int = 0) -> torch.Tensor:
         """Checked inputs -> verify lengths [R]."""
 
+    def draft_budget(self, rows: int, prompt_tokens: int = 0, limit: int | None = None) -> int | None:
+        """The most drafts this policy can verify in a step of ``rows`` rows (and ``prompt_tokens``
+        fused prompt tokens), whatever the drafts' confidences; None where it has no such bound
+        (the load-blind policies, the async capacity search). The engine drafts nothing in a step
+        whose budget is 0 and tells the drafting gates the budget of the others. ``limit``: the
+        most drafts the step could hold (rows times K), where the search stops."""
+        return None
+
     def reset(self) -> None:
         """Forget any state (e.g. between benchmark runs). Stateless policies do nothing."""
 
@@ -205,6 +218,30 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
         device = confidence.device
         sps = self.sps(confidence.shape[0], prompt_tokens)
         return ops.schedule_prefix(confidence, sps.to(device), cap.to(device), early_stop=True)
+
+    def draft_budget(self, rows: int, prompt_tokens: int = 0, limit: int | None = None) -> int | None:
+        return walk_draft_bound(self.sps(rows, prompt_tokens), rows, limit)
+
+
+def walk_draft_bound(sps: torch.Tensor, rows: int, limit: int | None = None) -> int:
+    """The most candidates Algorithm 1's walk with its early stop can admit beside ``rows`` rows
+    under the dense steps/s array ``sps``, whatever their confidences (at most ``limit``).
+
+    Admitting a candidate of survival ``a`` at batch B + 1 needs ``(tau + a) SPS(B + 1) > tau
+    SPS(B)``, i.e. ``1 + a / tau > t(B + 1) / t(B)`` (``t = 1 / SPS``). As ``a <= 1`` and
+    ``tau >= rows``, no candidate passes a count where ``t(B + 1) / t(B) >= 1 + 1 / rows``, and
+    the walk stops at the first that does not pass. Beside 64 one-token rows of a 2-core CPU
+    that is one draft (the 65th token costs nothing there, the 66th as much as a token), so a
+    step needs one proposal, not 64. A function of the table and the row count only, so it is
+    fixed before any draft exists and cannot bias the output."""
+    n = sps.numel() - 1
+    cap = n - rows if limit is None else min(int(limit), n - rows)
+    if rows < 1 or cap <= 0:
+        return 0
+    t = 1.0 / sps[rows: rows + cap + 1].double()
+    # a hair of slack on the bound: float rounding may admit what exact arithmetic would not
+    blocked = (t[1:] / t[:-1] >= (1.0 + 1.0 / rows) * (1.0 + 1e-9)).nonzero()
+    return int(blocked[0]) if blocked.numel() else cap
 
 
 def step_time(sps: torch.Tensor, tokens: int) -> float:
@@ -304,6 +341,9 @@ class NoSlowdownScheduler(VerifyLengthPolicy):
         lens = guarded_schedule_prefix(confidence, sps, cap, slack)
         self._pending = (ids, t_rows, step_time(sps, R + int(lens.sum())) - t_rows)
         return lens
+
+    def draft_budget(self, rows: int, prompt_tokens: int = 0, limit: int | None = None) -> int | None:
+        return walk_draft_bound(self.sps(rows, prompt_tokens), rows, limit)  # its walk admits a subset of Algorithm 1's
 
     def observe(self, request_ids: Sequence[str], accepted: Sequence[int]) -> None:
         """The last step's accepted drafts per request (the rows of its ``request_ids``)."""

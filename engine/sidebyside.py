@@ -432,10 +432,11 @@ def _params(level: Level, i: int, max_tokens: int | None = None):
 
 
 def _engine_dir_parts(engine_dir: str | None, target, with_drafter: bool = True):
-    """(drafter or None, SPS table or None, STS temperatures or None) of an engine directory; the
-    drafter only ``with_drafter`` (the suffix rows use the directory's SPS table, not its drafter)."""
+    """(drafter or None, SPS table or None, STS temperatures or None, suffix settings) of an engine
+    directory; the drafter only ``with_drafter`` (the suffix rows use the directory's SPS table, not
+    its drafter); the suffix settings are its ``engine.json`` ``suffix`` (``SuffixConfig`` fields)."""
     if engine_dir is None:
-        return None, None, None
+        return None, None, None, {}
     from dspark.training.checkpoint import load_checkpoint
 
     from .export.manifest import read_engine_json
@@ -449,7 +450,17 @@ def _engine_dir_parts(engine_dir: str | None, target, with_drafter: bool = True)
     if meta.get("sts"):
         from .sts import StsCalibration
         sts = StsCalibration.load(root / meta["sts"]).temperatures
-    return drafter, sps, sts
+    return drafter, sps, sts, dict(meta.get("suffix", {}))
+
+
+def suffix_config(engine_suffix: dict, max_drafts: int | None = None, scope: str | None = None):
+    """The suffix proposer's settings for our rows: the engine directory's (``engine.json``
+    ``suffix``), with ``max_drafts`` / ``scope`` from the command line where given (3 drafts
+    and the shared scope where neither says)."""
+    from .proposers import SuffixConfig
+
+    given = {k: v for k, v in (("max_drafts", max_drafts), ("scope", scope)) if v is not None}
+    return SuffixConfig(**{"max_drafts": 3, **engine_suffix, **given})
 
 
 def worker_history(spec: dict, temperatures: Sequence[float]) -> dict[str, list[list[int]]]:
@@ -491,7 +502,6 @@ def worker_ours(systems: Sequence[str], spec: dict,
     from dspark.training.target import load_target
 
     from . import threads
-    from .proposers import SuffixConfig
     from .runtime import EngineConfig, SpecEngine
     from .sps import load_sps_table
 
@@ -504,12 +514,12 @@ def worker_ours(systems: Sequence[str], spec: dict,
         if dtype not in targets:
             targets[dtype] = load_target(load_target_profile("smollm2-135m"), device="cpu", dtype=dtype)
     target32 = targets.get(torch.float32)
-    drafter, sps, sts = _engine_dir_parts(spec.get("engine_dir"), target32,
-                                          with_drafter=any(s in NEEDS_DRAFTER for s in systems))
+    drafter, sps, sts, suffix = _engine_dir_parts(spec.get("engine_dir"), target32,
+                                                  with_drafter=any(s in NEEDS_DRAFTER for s in systems))
     if spec.get("sps"):
         sps = load_sps_table(spec["sps"])  # --sps overrides the engine directory's table
     base = EngineConfig(mode="spec", threads=spec["threads"], static_steps=spec["static_steps"],
-                        suffix=SuffixConfig(max_drafts=spec["suffix_max_drafts"], scope=spec["suffix_scope"]))
+                        suffix=suffix_config(suffix, spec["suffix_max_drafts"], spec["suffix_scope"]))
     history = json.loads(Path(spec["history_path"]).read_text()) if spec.get("history_path") else {}
 
     def engine_for(system: str, lv: Level) -> SpecEngine:
@@ -575,6 +585,8 @@ def worker_ours(systems: Sequence[str], spec: dict,
         i["sps"] = getattr(sps, "source", None) if sps is not None else None
         i["sps_engine"] = getattr(sps, "engine", None) if sps is not None else None
         i["lockstep"] = list(systems) if len(systems) > 1 else None
+        if getattr(eng, "suffix", None) is not None:
+            i["suffix"] = dataclasses.asdict(eng.suffix.cfg)  # the settings it ran with (engine dir + overrides)
         info[system] = i
     return results, info
 
@@ -841,8 +853,10 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--engine-dir", default=None,
                     help="engine directory: its drafter (ours_spec, ours_hybrid) and SPS/STS files (every ours row)")
     ap.add_argument("--sps", default=None, help="SPS table for our scheduled rows (overrides the engine directory's)")
-    ap.add_argument("--suffix-max-drafts", type=int, default=3)
-    ap.add_argument("--suffix-scope", default="shared", help="shared | request")
+    ap.add_argument("--suffix-max-drafts", type=int, default=None,
+                    help="drafts per suffix proposal (default: the engine directory's, else 3)")
+    ap.add_argument("--suffix-scope", default=None,
+                    help="shared | request (default: the engine directory's, else shared)")
     ap.add_argument("--history", type=int, default=0,
                     help="earlier requests whose outputs the shared suffix index holds when a level starts (each "
                          "eval set's last prompts, which no level uses; 0: every level starts with an empty index)")

@@ -359,3 +359,49 @@ def test_the_gate_prices_a_step_by_its_rows_where_the_table_has_the_grid():
     assert gate._step_time(4) == pytest.approx(1.2) and gate._step_time(4, 6) == pytest.approx(1.4)
     assert gate.expected_gain(4) == pytest.approx((4 + 2) / 4 * 1.2 / 2.0)  # 8 drafts beside 4 rows: 2.0 s
     assert gate.expected_gain(4) < 1.0 < gate_1d.expected_gain(4)
+
+
+def test_a_step_budget_caps_the_drafts_the_gate_expects_to_be_verified():
+    """History of 4-row probes: 1 of a row's drafts verified, 0.9 accepted. Drafting all 64 rows
+    would verify 64 drafts at a token's price each and lose; with a budget of one draft (what the
+    scheduler can verify beside 64 rows on such a table) the step verifies one, gains 0.9 of a token,
+    and pays for the lookups only."""
+    tokens = [1, 64, 65, 66, 256]
+    ms = [10.0, 100.0, 100.0, 102.0, 400.0]  # the 65th token free, the 66th as dear as a row's token
+    table = SpsTable(tokens=tokens, steps_per_s=[1000.0 / m for m in ms], device="cpu", engine="toy",
+                     draft_requests=[1, 64], draft_seconds=[0.0, 0.0])
+    gate = DraftGate(table, max_tokens=256, prior_rows=0.0, draft_time=lambda rows: 1e-5 * rows)
+    gate.observe(requests=4, verified=4, accepted=3.6)
+    t = gate._step_time
+    unbounded = (64 + 64 * 0.9) / 64 * t(64) / (64e-5 + t(64, 128))
+    assert gate.expected_gain(64) == pytest.approx(unbounded) and unbounded < 1.0
+    one = (64 + 0.9) / 64 * t(64) / (64e-5 + t(64, 65))
+    assert gate.expected_gain(64, budget=1) == pytest.approx(one) and one > 1.0
+    assert gate.rows_to_draft(64) == 0 and gate.rows_to_draft(64, budget=1) == 64
+    assert gate.expected_gain(64, budget=1000) == pytest.approx(unbounded), "a budget above the need changes nothing"
+    assert gate.probe_cost(64, 4, budget=1) == pytest.approx((4e-5 + t(64, 65) - t(64)) / t(64))
+
+
+def test_the_engine_proposes_nothing_in_a_step_whose_scheduler_could_verify_no_draft():
+    """Beside 4 rows the table's 5th token costs two whole steps: Algorithm 1 could verify no draft
+    there whatever its confidence, so a 4-row step runs no lookup at all, while the same requests
+    one at a time, where drafts are cheap, look up every step. Output: target-only's either way."""
+    from dspark.engine.proposers import SuffixConfig
+
+    target = make_tiny_target()
+    motif = [11, 12, 13, 14, 15]
+    jobs = [(f"r{i}", (motif * 6)[i:i + 20], SamplingParams(max_tokens=20)) for i in range(4)]
+    base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=4)), jobs)
+    ms = [1.0 if b <= 4 else 3.0 + 0.001 * b for b in range(1, 65)]  # 1 s up to 4 tokens, then a cliff
+    table = SpsTable(tokens=list(range(1, 65)), steps_per_s=[1.0 / t for t in ms], device="cpu", engine="toy",
+                     draft_requests=[1, 64], draft_seconds=[0.0, 0.0])
+    for batch, expect_lookups in ((4, False), (1, True)):
+        cfg = EngineConfig(proposers="suffix", scheduler="algorithm1", max_batch=batch,
+                           suffix=SuffixConfig(max_drafts=3, host_seconds_per_row=0.0))
+        engine = SpecEngine(target, None, cfg, sps=table)
+        looked = record_rows(engine.suffix, "propose")
+        assert run_to_completion(engine, jobs) == base
+        if expect_lookups:
+            assert looked and engine.stats.by_proposer["suffix"].accepted > 0
+        else:
+            assert looked == [] and engine.stats.total.drafted == 0

@@ -17,6 +17,7 @@ from dspark.engine.scheduler import (
     make_scheduler,
     step_time,
     top_capacity_lens,
+    walk_draft_bound,
 )
 from dspark.engine.sps import SpsTable
 from dspark.plugins.reference import prefix_survival, schedule_prefix
@@ -416,3 +417,49 @@ def test_expected_throughput_reads_the_curve_of_the_batch_rows():
     conf = torch.full((4, K), 0.9)
     lens = torch.tensor([1, 1, 1, 1])
     assert expected_throughput(conf, lens, table) == pytest.approx((4 + 4 * 0.9) / 0.8)
+
+
+def _bumpy_sps(seed: int, n: int = 160) -> torch.Tensor:
+    """Steps/s of a step time that grows by random increments, flat stretches and cliffs included."""
+    g = torch.Generator().manual_seed(seed)
+    inc = torch.rand(n, generator=g, dtype=torch.float64) * 0.08
+    inc[torch.rand(n, generator=g) < 0.3] = 0.0  # tokens that cost nothing
+    inc[torch.rand(n, generator=g) < 0.05] += 0.5  # cliffs
+    t = torch.cat([torch.zeros(1, dtype=torch.float64), 1.0 + torch.cumsum(inc, 0)])
+    sps = 1.0 / t
+    sps[0] = 0.0
+    return sps
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_draft_budget_bounds_what_the_walks_admit_whatever_the_confidences(seed):
+    """``walk_draft_bound`` looks at the table only; Algorithm 1 and the no-slowdown walk never
+    verify more drafts than it allows, on bumpy tables and confidences up to exactly 1."""
+    g = torch.Generator().manual_seed(100 + seed)
+    sps = _bumpy_sps(seed)
+    for R in (1, 2, 5, 12, 30):
+        bound = walk_draft_bound(sps, R, limit=R * K)
+        assert 0 <= bound <= R * K
+        for trial in range(4):
+            conf = torch.rand(R, K, generator=g, dtype=torch.float64) ** 0.2
+            if trial == 0:
+                conf = torch.ones(R, K, dtype=torch.float64)
+            assert int(schedule_prefix(conf, sps).sum()) <= bound
+            slack = torch.full((R,), 1e9, dtype=torch.float64)
+            assert int(guarded_schedule_prefix(conf, sps, torch.full((R,), K), slack).sum()) <= bound
+
+
+def test_the_draft_budget_is_reached_where_drafts_are_free_up_to_a_cliff():
+    """4 rows: the 5th and 6th tokens cost nothing, the 7th a whole step. Certain drafts fill the
+    two free places and the budget says two; beside 100 prompt tokens the prompt has paid the cliff
+    and a draft costs what the gentle slope adds, so the budget runs on."""
+    ms = [0.0] + [1.0 if b <= 6 else 2.0 + 0.01 * b for b in range(1, 201)]
+    sps = torch.tensor([0.0] + [1.0 / t for t in ms[1:]], dtype=torch.float64)
+    assert walk_draft_bound(sps, 4) == 2
+    assert int(schedule_prefix(torch.ones(4, K, dtype=torch.float64), sps).sum()) == 2
+    assert walk_draft_bound(sps, 4, limit=1) == 1
+    policy = Algorithm1Scheduler(sps)
+    assert policy.draft_budget(4) == 2 and NoSlowdownScheduler(sps).draft_budget(4) == 2
+    assert policy.draft_budget(4, prompt_tokens=100) > 100
+    assert FixedLength().draft_budget(4) is None and StaticThreshold(0.5).draft_budget(4) is None
+    assert AsyncScheduler(sps).draft_budget(4) is None, "its capacity search is global: no walk bound"

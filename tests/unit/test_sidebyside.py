@@ -10,6 +10,7 @@ import pytest
 from collections import defaultdict
 
 from dspark.engine.sidebyside import (Drive, Level, Prompt, Recorder, attribute_step, drive, level_prompts, levels_for,
+                                      suffix_config,
                                       lockstep, plan_levels, resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
                                              paired_median_ratio, percentile, split_by_task, summarise, write_report)
@@ -289,3 +290,12 @@ def test_tasks_make_a_one_task_workload_and_history():
     assert len(hist) == 24 and {p.task for p in hist} == {"chat"} and min(p.index for p in hist) >= 32
     with pytest.raises(ValueError, match="overlap"):
         history_prompts(60, 24, tasks=["chat"])  # the last 24 of chat's 80 start at 56
+
+
+def test_our_suffix_rows_run_the_engine_directorys_suffix_settings_unless_the_command_line_says():
+    engine_suffix = {"max_drafts": 5, "scope": "request", "host_seconds_per_row": 2e-5, "max_depth": 12}
+    cfg = suffix_config(engine_suffix)
+    assert (cfg.max_drafts, cfg.scope, cfg.host_seconds_per_row, cfg.max_depth) == (5, "request", 2e-5, 12)
+    cfg = suffix_config(engine_suffix, max_drafts=2, scope="shared")
+    assert (cfg.max_drafts, cfg.scope, cfg.host_seconds_per_row) == (2, "shared", 2e-5)
+    assert suffix_config({}).max_drafts == 3 and suffix_config({}).scope == "shared"
