@@ -220,7 +220,19 @@ class Algorithm1Scheduler(VerifyLengthPolicy):
         return ops.schedule_prefix(confidence, sps.to(device), cap.to(device), early_stop=True)
 
     def draft_budget(self, rows: int, prompt_tokens: int = 0, limit: int | None = None) -> int | None:
-        return walk_draft_bound(self.sps(rows, prompt_tokens), rows, limit)
+        return _cached_walk_bound(self, rows, prompt_tokens, limit)
+
+
+def _cached_walk_bound(policy: VerifyLengthPolicy, rows: int, prompt_tokens: int, limit: int | None) -> int:
+    """``walk_draft_bound`` of ``policy.sps`` for (rows, prompt_tokens, limit), remembered on the
+    policy: the engine asks every step, and a step's price array costs more than the answer."""
+    memo = policy.__dict__.setdefault("_budgets", {})
+    key = (rows, prompt_tokens, limit)
+    if key not in memo:
+        if len(memo) >= 4096:  # prompt chunk sizes vary: keep the memo bounded
+            memo.clear()
+        memo[key] = walk_draft_bound(policy.sps(rows, prompt_tokens), rows, limit)
+    return memo[key]
 
 
 def walk_draft_bound(sps: torch.Tensor, rows: int, limit: int | None = None) -> int:
@@ -343,7 +355,7 @@ class NoSlowdownScheduler(VerifyLengthPolicy):
         return lens
 
     def draft_budget(self, rows: int, prompt_tokens: int = 0, limit: int | None = None) -> int | None:
-        return walk_draft_bound(self.sps(rows, prompt_tokens), rows, limit)  # its walk admits a subset of Algorithm 1's
+        return _cached_walk_bound(self, rows, prompt_tokens, limit)  # its walk admits a subset of Algorithm 1's
 
     def observe(self, request_ids: Sequence[str], accepted: Sequence[int]) -> None:
         """The last step's accepted drafts per request (the rows of its ``request_ids``)."""

@@ -84,9 +84,12 @@ class RaggedOutput:
         lengths = self._row_lengths()
         starts = torch.cumsum(lengths, 0) - lengths
         want = torch.as_tensor(list(rows), dtype=torch.long)
+        parts = self._aux if isinstance(self._aux, list) else [self._aux]
+        if bool((lengths[want] >= width).all()):  # every row fills the width (a decode step's one token): no padding
+            index = (starts[want].unsqueeze(1) + torch.arange(width)).flatten().to(self._last.device)
+            return torch.cat([p.index_select(0, index) for p in parts], dim=-1).view(len(want), width, -1)
         cells = torch.arange(width).unsqueeze(0) < lengths[want].clamp(max=width).unsqueeze(1)  # [n, width]
         index = (starts[want].unsqueeze(1) + torch.arange(width).unsqueeze(0))[cells].to(self._last.device)
-        parts = self._aux if isinstance(self._aux, list) else [self._aux]
         picked = torch.cat([p.index_select(0, index) for p in parts], dim=-1)
         out = picked.new_zeros(len(want), width, picked.shape[-1])
         out[cells.to(out.device)] = picked

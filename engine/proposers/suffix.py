@@ -216,6 +216,14 @@ class SuffixProposer(Proposer):
     def commit(self, slot: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> None:
         self._slots[slot].tokens.extend(int(t) for t in tokens)
 
+    def commit_many(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                    features: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:
+        """Every slot's committed tokens appended (indexed lazily, at its next lookup): one loop,
+        not a call per slot, since a 64-row step commits every step."""
+        known = self._slots
+        for s, toks in zip(slots, tokens):
+            known[s].tokens.extend(map(int, toks))
+
     def _catch_up(self, st: _Slot) -> None:
         """Index the tokens committed since the slot's last lookup (own index, shared cursor)."""
         new = st.tokens[st.indexed:]
