@@ -65,7 +65,7 @@ import torch
 
 from dspark.engine.sps import SpsLike, StepCosts, dense_sps
 from dspark.plugins import ops
-from dspark.plugins.reference import prefix_survival, ranked_candidates, schedule_prefix
+from dspark.plugins.reference import prefix_survival, ranked_candidates, schedule_prefix, verify_lens_of
 
 __all__ = [
     "VerifyLengthPolicy",
@@ -287,7 +287,7 @@ def guarded_schedule_prefix(confidence: torch.Tensor, sps: torch.Tensor, cap: to
     batch, tau = R, float(R)
     best = tau * sps_l[batch]
     admitted = 0
-    for i, (r, ar) in enumerate(zip(cand_r.tolist(), cand_q.tolist())):
+    for i, (r, ar) in enumerate(zip(cand_r, cand_q)):
         batch += 1
         if batch >= len(sps_l):
             break
@@ -301,7 +301,7 @@ def guarded_schedule_prefix(confidence: torch.Tensor, sps: torch.Tensor, cap: to
             break
         best = theta
         admitted = i + 1
-    return torch.bincount(cand_r[:admitted], minlength=R)
+    return verify_lens_of(cand_r, admitted, R)
 
 
 class NoSlowdownScheduler(VerifyLengthPolicy):

@@ -39,6 +39,7 @@ __all__ = [
     "verify",
     "schedule_prefix",
     "ranked_candidates",
+    "verify_lens_of",
     "prefix_survival",
     "pack_ragged",
     "unpack_ragged",
@@ -212,22 +213,29 @@ def prefix_survival(confidence: torch.Tensor) -> torch.Tensor:
 
 
 def ranked_candidates(confidence: torch.Tensor, max_lens: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[list[int], list[float]]:
     """Algorithm 1's walk order over ``confidence [R, K]``: the candidates (r, j) with
     ``a[r, j] > 0`` and ``j < max_lens[r]``, in descending ``a`` (ties: lower r, then lower j,
-    so each request's candidates come in order of j) -> (their rows [C] int64, their ``a``
-    rounded to multiples of ``1 / TAU_GRID`` [C] float64), on the CPU."""
+    so each request's candidates come in order of j) -> (their rows, their ``a`` rounded to
+    multiples of ``1 / TAU_GRID``). Host lists: a step has a few dozen candidates, which a
+    Python sort orders in microseconds where tensor ops cost a launch each."""
     R, K = confidence.shape
-    a = prefix_survival(confidence.cpu())  # CPU cumprod: sequential, same bits everywhere
-    cap = torch.full((R,), K, dtype=torch.long) if max_lens is None else max_lens.long().cpu().clamp(0, K)
-    flat = a.flatten()
-    r_idx = torch.arange(R).repeat_interleave(K)
-    j_idx = torch.arange(K).repeat(R)
-    valid = (flat > 0) & (j_idx < cap[r_idx])
-    # stable sort on (-a, r, j): flatten order is already (r, j) ascending
-    order = torch.sort(-flat[valid], stable=True).indices
-    cand_r, cand_a = r_idx[valid][order], flat[valid][order]
-    return cand_r, torch.round(cand_a * TAU_GRID) / TAU_GRID  # exact-sum grid for tau
+    a = prefix_survival(confidence.cpu()).tolist()  # CPU cumprod: sequential, same bits everywhere
+    caps = [K] * R if max_lens is None else max_lens.long().cpu().clamp(0, K).tolist()
+    # sorting (-a, r, j) is the stable descending order of a over the (r, j) row-major order
+    ranked = sorted((-x, r, j) for r, row in enumerate(a) for j, x in enumerate(row[:caps[r]]) if x > 0)
+    # exact-sum grid for tau; round() is round-half-even, as torch.round
+    return [r for _, r, _ in ranked], [round(-x * TAU_GRID) / TAU_GRID for x, _, _ in ranked]
+
+
+def verify_lens_of(rows: list[int], admitted: int, R: int) -> torch.Tensor:
+    """Verify lengths [R] int64 when the first ``admitted`` candidates of a walk (their ``rows``,
+    in ``ranked_candidates`` order) are admitted: a request's candidates come in order of j, so
+    its verify length is how many of them were admitted."""
+    lens = [0] * R
+    for r in rows[:admitted]:
+        lens[r] += 1
+    return torch.tensor(lens, dtype=torch.long)
 
 
 def schedule_prefix(
@@ -263,7 +271,7 @@ def schedule_prefix(
     sps_l = sps.tolist()
     best = tau * sps_l[batch]
     admitted = 0  # the best choice admits the first ``admitted`` candidates
-    for i, ar in enumerate(cand_q.tolist()):
+    for i, ar in enumerate(cand_q):
         batch += 1
         tau += ar
         theta = tau * sps_l[batch] if batch <= n_max else float("-inf")
@@ -272,9 +280,7 @@ def schedule_prefix(
             admitted = i + 1
         elif early_stop or batch > n_max:
             break
-    # a request's candidates come in order of j, so its verify length is how many were admitted
-    lens = torch.bincount(cand_r[:admitted], minlength=R)
-    return lens.to(confidence.device)
+    return verify_lens_of(cand_r, admitted, R).to(confidence.device)
 
 
 def pack_ragged(padded: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
