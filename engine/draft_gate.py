@@ -182,6 +182,12 @@ class DraftGate:
         needed = math.ceil(self.probe_cost(requests, rows, batch_rows, budget) / self.probe_budget - 1e-9)  # 0.6 / 0.05 is 12
         return max(self.min_probe, min(needed, self.max_probe))
 
+    @property
+    def steps_to_probe(self) -> int:
+        """Skipped steps left before the next probe, while the gate skips (its probe interval less
+        the steps skipped since the last one): how soon a skipped proposer's rows may draft again."""
+        return max(0, self.probe - self.skipped)
+
     def expects_skipping(self, requests: int) -> bool:
         """Whether the coming step at ``requests`` rows is expected to leave some undrafted, before it
         is decided: the latest decision's answer, and before the first one, whether the first probe
@@ -221,6 +227,15 @@ class DraftGate:
         else:
             self.skipped_steps += 1
         return rows
+
+    def skip_step(self) -> None:
+        """A step in which none of the gate's rows could draft (none had context to draft from):
+        it counts towards the next probe as a skipped decision would, so that the rows a coming
+        probe will draft start keeping context (``steps_to_probe``); a probe that falls due is
+        taken by the next step with rows that can draft."""
+        self.skipped = min(self.skipped + 1, self.probe)
+        self.skipped_steps += 1
+        self.skipping = True
 
     def observe(self, requests: int, verified: int, accepted: int) -> None:
         """Record a drafted step: totals over its ``requests`` rows."""

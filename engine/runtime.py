@@ -368,13 +368,17 @@ class SpecEngine:
         recent context); before the gate's first decision, whether that decision will be a probe of
         part of the batch, so that the first prompts of a large batch are windowed too. While it
         skips, only the next probes' candidates keep even the window: the ``PROBE_CANDIDATES *
-        NEURAL_PROBE_ROWS`` requests that drafted least recently (the order probes pick rows in)."""
+        NEURAL_PROBE_ROWS`` requests that drafted least recently (the order probes pick rows in),
+        and only from the window's length of steps before the next probe on (``steps_to_probe``):
+        between probes no row keeps features, so no step builds or stores any."""
         if self.neural is None:
             return
         idle = self.gate is not None and self.gate.expects_skipping(len(self._active))
         self.neural.idle = idle
         self.neural.keep = None
-        if idle:
+        if idle and self.gate.steps_to_probe > self.neural.idle_context_tokens:
+            self.neural.keep = frozenset()
+        elif idle:
             live = [r for r in self._active if not r.finished]
             n = PROBE_CANDIDATES * NEURAL_PROBE_ROWS
             oldest = least_recent(range(len(live)), [r.last_drafted for r in live], n)
@@ -481,13 +485,17 @@ class SpecEngine:
         here reads a neural draft."""
         if self.neural is None:
             return []
-        rows = [i for i, r in enumerate(reqs) if self.neural.has_context(r.slot)]
+        rows = list(range(len(reqs)))
         if suffix is not None:
             bar = self._neural_estimate()
             expected = suffix.expected_accepts().tolist()
             # an empty suffix proposal leaves nothing to the suffix: such a row stays a candidate even
             # when the estimate is 0 (else one unlucky probe would switch the drafter off for good)
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
+        candidates, rows = rows, [i for i in rows if self.neural.has_context(reqs[i].slot)]
+        if candidates and not rows and self.gate is not None:  # between probes no row keeps context
+            self.gate.skip_step()
+            return []
         return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs),
                           prompt_tokens=fused_tokens, budget=budget)
 
