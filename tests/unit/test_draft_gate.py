@@ -186,6 +186,22 @@ def test_a_probe_drafts_only_a_few_rows_of_a_large_batch():
     assert gate.rows_to_draft(2) == 0 and gate.probe_rows == 3
 
 
+def test_steps_with_no_row_to_draft_count_down_to_the_next_probe():
+    """``steps_to_probe`` says how soon a skipping gate probes; a step whose rows could not draft
+    (``skip_step``) counts as a skipped one, and a probe that falls due in such a step is taken by
+    the next step with rows."""
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=4, max_probe=64, probe_rows=3)
+    assert gate.rows_to_draft(16) == 3
+    gate.observe(3, verified=3, accepted=0)
+    assert gate.steps_to_probe == 4
+    assert gate.rows_to_draft(16) == 0 and gate.steps_to_probe == 3
+    for left in (2, 1, 0, 0):  # nothing to draft in these steps: the countdown runs on, and holds at a due probe
+        gate.skip_step()
+        assert gate.steps_to_probe == left and gate.expects_skipping(16)
+    assert gate.rows_to_draft(16) == 3  # the due probe, at the first step with rows
+    assert gate.steps_to_probe == 8  # and the interval grew
+
+
 def test_skipping_is_expected_before_the_first_decision_only_where_a_probe_is_part_of_the_batch():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, probe_rows=3)
     assert not gate.expects_skipping(1) and not gate.expects_skipping(3)  # the first probe drafts them all
@@ -281,7 +297,8 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
     assert probes and all(len(s) == 2 for s in probes)
     assert len({tuple(s) for s in probes}) > 1  # probes rotate over the batch
     assert idle_backlogs and max(idle_backlogs) < 2 * 3  # a skipped drafter holds a window, not the history
-    assert kept and max(kept) == PROBE_CANDIDATES * NEURAL_PROBE_ROWS < 7  # and only for the next probes' rows
+    assert kept and max(kept) == PROBE_CANDIDATES * NEURAL_PROBE_ROWS < 7  # and only for the next probes' rows,
+    assert 0 in kept  # and between probes, more than a window of steps before the next, for none
 
 
 def test_a_batch_larger_than_a_probe_keeps_only_a_window_of_its_first_prompts():
