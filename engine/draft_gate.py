@@ -119,6 +119,7 @@ class DraftGate:
         self.drafted_steps = 0
         self.skipped_steps = 0
         self.skipping = False  # the latest decision left some of the rows undrafted (a skip or a probe)
+        self.futile = False  # the latest decision found that drafting could not pay at all (could_pay)
 
     @property
     def accepted(self) -> float | None:
@@ -185,8 +186,24 @@ class DraftGate:
     @property
     def steps_to_probe(self) -> int:
         """Skipped steps left before the next probe, while the gate skips (its probe interval less
-        the steps skipped since the last one): how soon a skipped proposer's rows may draft again."""
-        return max(0, self.probe - self.skipped)
+        the steps skipped since the last one): how soon a skipped proposer's rows may draft again;
+        ``max_probe`` while drafting cannot pay at all (``could_pay``)."""
+        return self.max_probe if self.futile else max(0, self.probe - self.skipped)
+
+    def could_pay(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
+                  budget: int | None = None) -> bool:
+        """Whether drafting could pay in this step at best: one row drafted and every one of the
+        ``v <= budget`` drafts the step can verify accepted, for the best ``v``. Without a budget, or
+        with one of a draft per row or more, assumed so. Where it cannot (a drafter pass beside a large batch whose scheduler verifies
+        one draft at most), the gate neither drafts nor probes: no acceptance a probe could
+        measure would change the decision."""
+        batch = _step_rows(requests, batch_rows)
+        if budget is None or budget >= batch:
+            return True
+        t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
+        draft = self.draft_time(1)
+        return any((batch + v) / batch * t_plain >= draft + self._step_time(batch, batch + v, prompt_tokens)
+                   for v in range(1, budget + 1))
 
     def expects_skipping(self, requests: int) -> bool:
         """Whether the coming step at ``requests`` rows is expected to leave some undrafted, before it
@@ -205,8 +222,12 @@ class DraftGate:
         ``budget`` drafts: all when drafting is predicted to pay, none when it is not,
         ``min(probe_rows, requests)`` on a probe step."""
         batch = _step_rows(requests, batch_rows)
+        self.futile = False
         if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
             rows = requests  # too cheap to gate
+        elif not self.could_pay(requests, batch_rows, prompt_tokens, budget):
+            self.skipped, self.futile = 0, True  # no probe either: nothing it measured would change this
+            rows = 0
         elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
         elif self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0:  # ties draft: nothing to lose

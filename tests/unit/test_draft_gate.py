@@ -202,6 +202,19 @@ def test_steps_with_no_row_to_draft_count_down_to_the_next_probe():
     assert gate.steps_to_probe == 8  # and the interval grew
 
 
+def test_a_pass_that_could_not_pay_even_with_every_verifiable_draft_accepted_is_neither_run_nor_probed():
+    """With a step budget of one draft beside 16 rows, a 0.5 s pass cannot pay for one token of a
+    1 s step, whatever a probe would find: the gate skips without probing and reports its next
+    probe as far away (its rows keep no context); without the budget it probes as before."""
+    gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=64, probe_rows=3)
+    assert not gate.could_pay(16, budget=1) and gate.could_pay(16) and gate.could_pay(16, budget=16)
+    assert [gate.rows_to_draft(16, budget=1) for _ in range(10)] == [0] * 10  # not even the first probe
+    assert gate.accepted is None and gate.steps_to_probe == 64 and gate.expects_skipping(16)
+    assert gate.rows_to_draft(16) == 3  # no budget: the first probe
+    cheap = DraftGate(_table(draft_seconds=0.001), max_tokens=64, probe_rows=3)
+    assert cheap.could_pay(16, budget=1)  # a cheap pass may pay for one accepted draft
+
+
 def test_skipping_is_expected_before_the_first_decision_only_where_a_probe_is_part_of_the_batch():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, probe_rows=3)
     assert not gate.expects_skipping(1) and not gate.expects_skipping(3)  # the first probe drafts them all
