@@ -194,9 +194,9 @@ class DraftGate:
                   budget: int | None = None) -> bool:
         """Whether drafting could pay in this step at best: one row drafted and every one of the
         ``v <= budget`` drafts the step can verify accepted, for the best ``v``. Without a budget, or
-        with one of a draft per row or more, assumed so. Where it cannot (a drafter pass beside a large batch whose scheduler verifies
-        one draft at most), the gate neither drafts nor probes: no acceptance a probe could
-        measure would change the decision."""
+        with one of a draft per row or more, assumed so. Where it cannot (a drafter pass beside a
+        large batch whose scheduler verifies one draft at most), the gate neither drafts nor
+        probes: no acceptance a probe could measure would change the decision."""
         batch = _step_rows(requests, batch_rows)
         if budget is None or budget >= batch:
             return True
@@ -249,12 +249,16 @@ class DraftGate:
             self.skipped_steps += 1
         return rows
 
-    def skip_step(self) -> None:
-        """A step in which none of the gate's rows could draft (none had context to draft from):
-        it counts towards the next probe as a skipped decision would, so that the rows a coming
-        probe will draft start keeping context (``steps_to_probe``); a probe that falls due is
-        taken by the next step with rows that can draft."""
-        self.skipped = min(self.skipped + 1, self.probe)
+    def skip_step(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
+                  budget: int | None = None) -> None:
+        """A step in which none of the gate's ``requests`` rows could draft (none had context to
+        draft from), priced as ``rows_to_draft`` prices one: it counts towards the next probe as a
+        skipped decision would, so that the rows a coming probe will draft start keeping context
+        (``steps_to_probe``), unless drafting could not pay at all in it (``could_pay``, asked
+        again every step: a batch that drains below the budget's bound wakes the drafter); a
+        probe that falls due is taken by the next step with rows that can draft."""
+        self.futile = not self.could_pay(requests, batch_rows, prompt_tokens, budget)
+        self.skipped = 0 if self.futile else min(self.skipped + 1, self.probe)
         self.skipped_steps += 1
         self.skipping = True
 

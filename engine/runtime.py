@@ -494,7 +494,7 @@ class SpecEngine:
             rows = [i for i in rows if expected[i] < bar or expected[i] == 0.0]
         candidates, rows = rows, [i for i in rows if self.neural.has_context(reqs[i].slot)]
         if candidates and not rows and self.gate is not None:  # between probes no row keeps context
-            self.gate.skip_step()
+            self.gate.skip_step(len(candidates), len(reqs), fused_tokens, budget)
             return []
         return gated_rows(self.gate, rows, [r.last_drafted for r in reqs], batch_rows=len(reqs),
                           prompt_tokens=fused_tokens, budget=budget)

@@ -196,7 +196,7 @@ def test_steps_with_no_row_to_draft_count_down_to_the_next_probe():
     assert gate.steps_to_probe == 4
     assert gate.rows_to_draft(16) == 0 and gate.steps_to_probe == 3
     for left in (2, 1, 0, 0):  # nothing to draft in these steps: the countdown runs on, and holds at a due probe
-        gate.skip_step()
+        gate.skip_step(16)
         assert gate.steps_to_probe == left and gate.expects_skipping(16)
     assert gate.rows_to_draft(16) == 3  # the due probe, at the first step with rows
     assert gate.steps_to_probe == 8  # and the interval grew
@@ -205,12 +205,19 @@ def test_steps_with_no_row_to_draft_count_down_to_the_next_probe():
 def test_a_pass_that_could_not_pay_even_with_every_verifiable_draft_accepted_is_neither_run_nor_probed():
     """With a step budget of one draft beside 16 rows, a 0.5 s pass cannot pay for one token of a
     1 s step, whatever a probe would find: the gate skips without probing and reports its next
-    probe as far away (its rows keep no context); without the budget it probes as before."""
+    probe as far away (its rows keep no context); without the budget it probes as before, also
+    when the steps that find no row to draft are the ones that see the budget lift."""
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=2, max_probe=64, probe_rows=3)
     assert not gate.could_pay(16, budget=1) and gate.could_pay(16) and gate.could_pay(16, budget=16)
     assert [gate.rows_to_draft(16, budget=1) for _ in range(10)] == [0] * 10  # not even the first probe
     assert gate.accepted is None and gate.steps_to_probe == 64 and gate.expects_skipping(16)
     assert gate.rows_to_draft(16) == 3  # no budget: the first probe
+    asleep = DraftGate(_table(draft_seconds=0.5), max_tokens=64, min_probe=4, max_probe=64, probe_rows=3)
+    assert asleep.rows_to_draft(16, budget=1) == 0 and asleep.steps_to_probe == 64
+    asleep.skip_step(16, budget=1)  # its rows keep no context, so later steps ask skip_step, not rows_to_draft
+    assert asleep.steps_to_probe == 64
+    asleep.skip_step(4)  # the batch drained: drafting could pay again, and the countdown to a probe starts
+    assert asleep.steps_to_probe == 3
     cheap = DraftGate(_table(draft_seconds=0.001), max_tokens=64, probe_rows=3)
     assert cheap.could_pay(16, budget=1)  # a cheap pass may pay for one accepted draft
 
