@@ -465,10 +465,11 @@ class SpecEngine:
             p.settle(slots)
 
     def _max_lens(self, reqs: list[_Request]) -> torch.Tensor:
+        lengths = self.runner.lengths.tolist()  # one host copy: a tensor read per row costs microseconds
         caps = []
         for r in reqs:
             remaining = r.params.max_tokens - len(r.generated)
-            room = self.max_context - int(self.runner.lengths[r.slot]) - 2
+            room = self.max_context - int(lengths[r.slot]) - 2
             caps.append(max(0, min(self.K, remaining - 1, room)))
         return torch.tensor(caps, dtype=torch.long)
 
@@ -484,6 +485,9 @@ class SpecEngine:
         probe candidates, ``_mark_idle``) has nothing to draft from and waits until it has. Nothing
         here reads a neural draft."""
         if self.neural is None:
+            return []
+        if self.gate is not None and not self.gate.could_pay(1, len(reqs), fused_tokens, budget):
+            self.gate.skip_step(1, len(reqs), fused_tokens, budget)  # no row's proposal or context matters
             return []
         rows = list(range(len(reqs)))
         if suffix is not None:
