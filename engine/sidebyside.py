@@ -8,6 +8,8 @@ Systems (``SYSTEMS``; ``ALIASES`` maps the decode benchmark's names):
 - ``ours_target_only``: ``SpecEngine`` with the null proposer, the baseline of every ``x ours`` ratio;
 - ``ours_target_only_bf16``: the same with the target in bf16 (``load_engine(dtype="bfloat16")``; the
   identity column then says how many requests bf16 leaves token-identical to the fp32 target);
+- ``ours_target_only_aa``: a second target-only engine, the A/A control: its ``x ours`` ratio is what
+  two identical systems read in this run (the noise floor of every other ratio);
 - ``ours_spec`` (alias ``dspark_scheduled``): the engine directory's neural drafter, Algorithm 1
   with the SPS table, the drafting gate on;
 - ``ours_suffix``: the suffix proposer (no training), Algorithm 1;
@@ -63,10 +65,10 @@ from .sidebyside_report import TASKS, summarise, write_report
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
            "Drive", "drive", "lockstep", "EngineProbe", "build_parser", "main", "run_order"]
 
-SYSTEMS = ("ours_target_only", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid",
+SYSTEMS = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid",
            "ours_hybrid_no_slowdown", "hf_generate", "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
-OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_bf16")  # the null proposer; _bf16: a bf16 target
-ALIASES = {"target_only": "ours_target_only", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
+OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16")  # the null proposer; _bf16: a bf16 target
+ALIASES = {"target_only": "ours_target_only", "target_only_aa": "ours_target_only_aa", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
            "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
 OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix",
                   "ours_hybrid_no_slowdown": "neural+suffix"}

@@ -9,8 +9,8 @@ import pytest
 
 from collections import defaultdict
 
-from dspark.engine.sidebyside import (Drive, Level, Prompt, Recorder, attribute_step, drive, level_prompts, levels_for,
-                                      suffix_config,
+from dspark.engine.sidebyside import (NEEDS_DRAFTER, OURS_TARGET_ONLY, Drive, Level, Prompt, Recorder, attribute_step,
+                                      drive, level_prompts, levels_for, suffix_config,
                                       lockstep, plan_levels, resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
                                              paired_median_ratio, percentile, split_by_task, summarise, write_report)
@@ -149,6 +149,9 @@ def test_systems_resolve_aliases_and_refuse_unknown_names():
         "ours_target_only", "ours_spec", "ours_hybrid", "ours_suffix"]
     with pytest.raises(ValueError, match="unknown system 'nope'"):
         resolve_systems("nope")
+    # the A/A control is a second target-only engine (no drafter, no proposer)
+    assert resolve_systems("target_only,target_only_aa") == ["ours_target_only", "ours_target_only_aa"]
+    assert "ours_target_only_aa" in OURS_TARGET_ONLY and "ours_target_only_aa" not in NEEDS_DRAFTER
 
 
 def test_recorder_spreads_tokens_that_arrive_together_and_measures_ttft():
