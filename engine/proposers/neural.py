@@ -218,8 +218,6 @@ class NeuralProposer(Proposer):
     def settle(self, slots: Sequence[int]) -> None:
         """Append the backlogs past ``max_backlog_tokens`` in one batch; while ``idle``, cut those
         past twice ``idle_context_tokens`` to their most recent ``idle_context_tokens`` instead."""
-        if self.idle and self.keep is not None and not self.keep:
-            return  # no slot keeps context: commit_many cut every position it counted, nothing is left to cut
         live = [s for s in slots if s in self._slots]
         if self.idle:
             for s in live:
