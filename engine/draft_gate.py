@@ -257,8 +257,22 @@ class DraftGate:
         (``steps_to_probe``), unless drafting could not pay at all in it (``could_pay``, asked
         again every step: a batch that drains below the budget's bound wakes the drafter); a
         probe that falls due is taken by the next step with rows that can draft."""
-        self.futile = not self.could_pay(requests, batch_rows, prompt_tokens, budget)
-        self.skipped = 0 if self.futile else min(self.skipped + 1, self.probe)
+        self._skipped_step(futile=not self.could_pay(requests, batch_rows, prompt_tokens, budget))
+
+    def skip_if_futile(self, batch_rows: int, prompt_tokens: int = 0, budget: int | None = None) -> bool:
+        """Whether drafting could not pay at all in a step of ``batch_rows`` rows (``could_pay``); if
+        so the step is recorded as a skipped one, as ``rows_to_draft`` would record it, so that the
+        caller need not look at any row's proposal or context."""
+        if self.could_pay(1, batch_rows, prompt_tokens, budget):
+            return False
+        self._skipped_step(futile=True)
+        return True
+
+    def _skipped_step(self, futile: bool) -> None:
+        """Record a step that drafted none of the gate's rows outside ``rows_to_draft``: a futile one
+        resets the probe countdown, any other counts towards the next probe."""
+        self.futile = futile
+        self.skipped = 0 if futile else min(self.skipped + 1, self.probe)
         self.skipped_steps += 1
         self.skipping = True
 

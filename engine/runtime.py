@@ -486,9 +486,8 @@ class SpecEngine:
         here reads a neural draft."""
         if self.neural is None:
             return []
-        if self.gate is not None and not self.gate.could_pay(1, len(reqs), fused_tokens, budget):
-            self.gate.skip_step(1, len(reqs), fused_tokens, budget)  # no row's proposal or context matters
-            return []
+        if self.gate is not None and self.gate.skip_if_futile(len(reqs), fused_tokens, budget):
+            return []  # no row's proposal or context matters
         rows = list(range(len(reqs)))
         if suffix is not None:
             bar = self._neural_estimate()

@@ -65,11 +65,12 @@ from .sidebyside_report import TASKS, summarise, write_report
 __all__ = ["SYSTEMS", "ALIASES", "Prompt", "Level", "load_prompts", "plan_levels", "level_prompts", "Recorder",
            "Drive", "drive", "lockstep", "EngineProbe", "build_parser", "main", "run_order"]
 
-SYSTEMS = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16", "ours_spec", "ours_suffix", "ours_hybrid",
-           "ours_hybrid_no_slowdown", "hf_generate", "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
-OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16")  # the null proposer; _bf16: a bf16 target
-ALIASES = {"target_only": "ours_target_only", "target_only_aa": "ours_target_only_aa", "dspark_scheduled": "ours_spec", "spec_scheduled": "ours_spec",
-           "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
+SYSTEMS = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16", "ours_spec", "ours_suffix",
+           "ours_hybrid", "ours_hybrid_no_slowdown", "hf_generate", "hf_prompt_lookup", "vllm_target_only", "vllm_ngram")
+# the null proposer; _aa: the A/A control; _bf16: a bf16 target
+OURS_TARGET_ONLY = ("ours_target_only", "ours_target_only_aa", "ours_target_only_bf16")
+ALIASES = {"target_only": "ours_target_only", "target_only_aa": "ours_target_only_aa", "dspark_scheduled": "ours_spec",
+           "spec_scheduled": "ours_spec", "suffix": "ours_suffix", "hybrid": "ours_hybrid"}
 OURS_PROPOSERS = {"ours_spec": "neural", "ours_suffix": "suffix", "ours_hybrid": "neural+suffix",
                   "ours_hybrid_no_slowdown": "neural+suffix"}
 OURS_SCHEDULERS = {"ours_hybrid_no_slowdown": "no_slowdown"}  # the rest: Algorithm 1 (with an SPS table)
