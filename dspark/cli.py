@@ -158,7 +158,30 @@ def cmd_profile(args) -> None:
         print(f"drafter R={r:3d}  {1000 * s:8.2f} ms/pass")
     if table.draft_append_seconds is not None:
         print(f"drafter context append  {1e6 * table.draft_append_seconds:8.2f} us/position")
+    print("\n".join(break_even_lines(table)))
     print(f"SPS table: {out} (plot {out.with_suffix('.png')})")
+
+
+def break_even_lines(table) -> list[str]:
+    """Where speculation can pay on the profiled host, per row count R: the survival probability a
+    first draft beside R one-token rows needs before Algorithm 1 verifies it
+    (``scheduler.first_draft_survival``), and the drafter pass's share of a plain step where the
+    table has its cost. A draft's tokens cost compute, so on a CPU the bar rises with R."""
+    from dspark.engine.scheduler import first_draft_survival, step_time
+    from dspark.engine.sps import StepCosts
+
+    costs = StepCosts(table)
+    rows = table.batch_rows or [r for r in (1, 2, 4, 8, 16, 32, 64) if r + 1 < table.tokens[-1]]
+    lines = ["where a draft can pay: the survival a first draft beside R rows needs to be verified"]
+    for R in rows:
+        sps = costs(R)
+        need = first_draft_survival(sps, R)
+        verdict = f"above {need:.0%}" if need < 1.0 else "none (a draft costs more than a row's token)"
+        line = f"rows R={R:3d}  {verdict}"
+        if table.has_draft_cost:
+            line += f"; drafter pass {table.draft_time(R) / step_time(sps, R):.0%} of a plain step"
+        lines.append(line)
+    return lines
 
 
 def cmd_calibrate(args) -> None:

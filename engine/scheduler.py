@@ -77,6 +77,7 @@ __all__ = [
     "guarded_schedule_prefix",
     "step_time",
     "walk_draft_bound",
+    "first_draft_survival",
     "UnknownSchedulerError",
     "SCHEDULERS",
     "SPS_SCHEDULERS",
@@ -254,6 +255,17 @@ def walk_draft_bound(sps: torch.Tensor, rows: int, limit: int | None = None) -> 
     # a hair of slack on the bound: float rounding may admit what exact arithmetic would not
     blocked = (t[1:] / t[:-1] >= (1.0 + 1.0 / rows) * (1.0 + 1e-9)).nonzero()
     return int(blocked[0]) if blocked.numel() else cap
+
+
+def first_draft_survival(sps: torch.Tensor, rows: int) -> float:
+    """The least survival probability at which Algorithm 1 verifies one draft beside ``rows``
+    one-token rows, under the dense steps/s array ``sps``: ``rows * (t(rows + 1) / t(rows) - 1)``
+    (``walk_draft_bound``'s test for the first candidate, ``t = 1 / SPS``). Above 1 no draft can
+    pay there. A function of the table alone: what a user reads to see where speculation can pay
+    on a host (``dspark profile`` prints it per row count), before any drafter is trained."""
+    if rows < 1 or rows + 1 >= sps.numel():
+        raise ValueError(f"rows must lie in [1, {sps.numel() - 2}] for this table, got {rows}")
+    return rows * (step_time(sps, rows + 1) / step_time(sps, rows) - 1.0)
 
 
 def step_time(sps: torch.Tensor, tokens: int) -> float:

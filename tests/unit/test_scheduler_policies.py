@@ -13,6 +13,7 @@ from dspark.engine.scheduler import (
     StaticThreshold,
     UnknownSchedulerError,
     expected_throughput,
+    first_draft_survival,
     guarded_schedule_prefix,
     make_scheduler,
     step_time,
@@ -447,6 +448,37 @@ def test_the_draft_budget_bounds_what_the_walks_admit_whatever_the_confidences(s
             assert int(schedule_prefix(conf, sps).sum()) <= bound
             slack = torch.full((R,), 1e9, dtype=torch.float64)
             assert int(guarded_schedule_prefix(conf, sps, torch.full((R,), K), slack).sum()) <= bound
+
+
+def test_the_first_draft_survival_is_the_walks_own_admission_threshold():
+    """Step time 1 s up to 4 tokens, then 0.1 s more per token: beside 4 rows the 5th token costs a
+    tenth, so a draft must survive with probability above 4 x 0.1 = 0.4; Algorithm 1 verifies one of
+    0.41 and none of 0.39. Beside 1 row a token is free (survival 0); beside 20 rows one costs
+    0.1 / 2.6 of a step, 20 x that: above 0.77."""
+    ms = [1.0 if b <= 4 else 1.0 + 0.1 * (b - 4) for b in range(0, 61)]
+    sps = torch.tensor([0.0] + [1.0 / t for t in ms[1:]], dtype=torch.float64)
+    assert first_draft_survival(sps, 4) == pytest.approx(0.4)
+    assert first_draft_survival(sps, 1) == 0.0
+    assert first_draft_survival(sps, 20) == pytest.approx(20 * 0.1 / 2.6)
+    for conf, verified in ((0.41, 1), (0.39, 0)):
+        c = torch.zeros(4, K, dtype=torch.float64)
+        c[0, 0] = conf
+        assert int(schedule_prefix(c, sps).sum()) == verified
+    with pytest.raises(ValueError, match="rows"):
+        first_draft_survival(sps, 60)
+
+
+def test_dspark_profile_says_per_row_count_where_a_draft_can_pay():
+    from dspark.cli import break_even_lines
+
+    table = SpsTable(tokens=[1, 8, 64], steps_per_s=[1.0, 0.5, 0.1], device="cpu", engine="toy",
+                     draft_requests=[1, 64], draft_seconds=[0.25, 0.25])
+    table.set_rows_grid([1, 4], [[0, 1, 2], [0, 1, 2]], [[1.0, 1.0, 0.5], [1.0, 0.5, 0.4]])
+    lines = break_even_lines(table)
+    assert lines[1] == "rows R=  1  above 0%; drafter pass 25% of a plain step"  # the 2nd token is free
+    assert lines[2].startswith("rows R=  4  none")  # beside 4 rows a draft doubles the step
+    plain = SpsTable(tokens=[1, 8, 64], steps_per_s=[1.0, 0.5, 0.1], device="cpu", engine="toy")
+    assert break_even_lines(plain)[1] == "rows R=  1  above 14%"  # 1-D curve: a token adds 1/7 of a step
 
 
 def test_the_draft_budget_is_reached_where_drafts_are_free_up_to_a_cliff():
