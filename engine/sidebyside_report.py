@@ -68,11 +68,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(v[lo] + (v[hi] - v[lo]) * (pos - lo))
 
 
+def same_round_ratios(values: Sequence[float | None], base: Sequence[float | None]) -> list[float]:
+    """``values[i] / base[i]`` per round: rounds pair by index, rounds where either side is
+    missing (None, or past the shorter list) are left out."""
+    return [v / b for v, b in zip(values, base) if v is not None and b]
+
+
 def paired_median_ratio(values: Sequence[float | None], base: Sequence[float | None]) -> float | None:
-    """Median over rounds of ``values[i] / base[i]``: rounds pair by index, rounds where either
-    side is missing (None, or past the shorter list) are left out; None when no round pairs."""
-    ratios = [v / b for v, b in zip(values, base) if v is not None and b]
-    return median(ratios)
+    """Median of ``same_round_ratios``; None when no round pairs."""
+    return median(same_round_ratios(values, base))
 
 
 def identical_share(outputs: Iterable[Sequence[Sequence[int]]], reference: Sequence[Sequence[int]]) -> float | None:
@@ -319,6 +323,9 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
 
 
 def _plot(report: dict, path: Path) -> None:
+    """Output tokens/s per system and level; below, where our target-only ran every round, each
+    system's same-round ratios to it (a dot per round, a bar at their median): a control beside
+    the others (``ours_target_only_aa``) shows how far apart identical engines read."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -326,14 +333,44 @@ def _plot(report: dict, path: Path) -> None:
     rows = report["results"]
     panels = sorted({(r["temperature"], r["batch"]) for r in rows})
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6), squeeze=False)
-    for ax, (temp, b) in zip(axes[0], panels):
+    ratios = {key: round_ratios_by_system(rows, *key) for key in panels}
+    n_rows = 2 if any(ratios.values()) else 1
+    fig, axes = plt.subplots(n_rows, len(panels), figsize=(3.6 * len(panels), 3.6 * n_rows), squeeze=False)
+    for j, (temp, b) in enumerate(panels):
+        ax = axes[0][j]
         vals = [next((r["tokens_per_s"] or 0 for r in rows if r["system"] == s and r["batch"] == b
                       and r["temperature"] == temp), 0) for s in systems]
         ax.bar(range(len(systems)), vals, color=[f"C{i}" for i in range(len(systems))])
         ax.set_xticks(range(len(systems)), systems, rotation=40, ha="right", fontsize=7)
         ax.set_title(f"batch {b}, T={temp:g}", fontsize=9)
         ax.set_ylabel("output tokens/s")
+        if n_rows == 2:
+            _plot_ratios(axes[1][j], ratios[(temp, b)], systems)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def round_ratios_by_system(rows: list[dict], temp: float, batch: int) -> dict[str, list[float]]:
+    """Each system's per-round tokens/s over our target-only's in the same round, at one level
+    (systems without rounds, and rounds either side missed, left out)."""
+    def rounds_of(system: str) -> list:
+        return next((r.get("tokens_per_s_rounds") or [] for r in rows if r["system"] == system
+                     and r["batch"] == batch and r["temperature"] == temp and r.get("task", OVERALL) == OVERALL), [])
+    base = rounds_of(BASELINE_OURS)
+    out = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pairs = same_round_ratios(rounds_of(system), base)
+        if system != BASELINE_OURS and pairs:
+            out[system] = pairs
+    return out
+
+
+def _plot_ratios(ax, ratios: dict[str, list[float]], systems: list[str]) -> None:
+    ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
+    for name, values in ratios.items():
+        i = systems.index(name)
+        ax.plot([i] * len(values), values, "o", color=f"C{i}", alpha=0.6, ms=4)
+        ax.hlines(median(values), i - 0.3, i + 0.3, color=f"C{i}", lw=2)
+    ax.set_xticks(range(len(systems)), systems, rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel(f"x {BASELINE_OURS}, same round", fontsize=8)

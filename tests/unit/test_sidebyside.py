@@ -13,7 +13,8 @@ from dspark.engine.sidebyside import (NEEDS_DRAFTER, OURS_TARGET_ONLY, Drive, Le
                                       drive, level_prompts, levels_for, suffix_config,
                                       lockstep, plan_levels, resolve_systems, run_order)
 from dspark.engine.sidebyside_report import (REQUIRED_RESULT_KEYS, check_results_schema, identical_share,
-                                             paired_median_ratio, percentile, split_by_task, summarise, write_report)
+                                             paired_median_ratio, percentile, round_ratios_by_system, split_by_task,
+                                             summarise, write_report)
 
 
 def test_paired_ratio_is_the_median_of_same_round_ratios_not_a_ratio_of_medians():
@@ -28,6 +29,17 @@ def test_paired_ratio_pairs_by_round_and_skips_rounds_missing_on_either_side():
     assert paired_median_ratio([10.0, 8.0, 6.0], [5.0]) == 2.0  # a peer that ran in round 1 only
     assert paired_median_ratio([None], [5.0]) is None
     assert paired_median_ratio([1.0], [0.0]) is None
+
+
+def test_the_plots_round_ratios_pair_each_system_with_our_target_only_round_by_round():
+    def row(system, rounds, batch=4, temperature=0.0):
+        return {"system": system, "batch": batch, "temperature": temperature, "task": "overall",
+                "tokens_per_s_rounds": rounds}
+    rows = [row("ours_target_only", [100.0, 200.0, None]), row("ours_target_only_aa", [101.0, 198.0, 50.0]),
+            row("ours_hybrid", [102.0, None, 60.0]), row("vllm_target_only", None),
+            row("ours_hybrid", [1.0, 1.0], batch=16)]
+    got = round_ratios_by_system(rows, 0.0, 4)
+    assert got == {"ours_target_only_aa": [1.01, 0.99], "ours_hybrid": [1.02]}  # round 3: no target-only
 
 
 def test_identity_counts_every_round_against_the_reference():
