@@ -20,6 +20,10 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the commands import what they need when they run: `dspark --help` stays fast
+    from dspark.engine.sps import SpsTable
 
 
 def _common(p: argparse.ArgumentParser, default_config: str | None = "quickstart") -> None:
@@ -162,7 +166,7 @@ def cmd_profile(args) -> None:
     print(f"SPS table: {out} (plot {out.with_suffix('.png')})")
 
 
-def break_even_lines(table) -> list[str]:
+def break_even_lines(table: SpsTable) -> list[str]:
     """Where speculation can pay on the profiled host, per row count R: the survival probability a
     first draft beside R one-token rows needs before Algorithm 1 verifies it
     (``scheduler.first_draft_survival``), and the drafter pass's share of a plain step where the

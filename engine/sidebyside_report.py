@@ -323,8 +323,8 @@ def write_report(report: dict, out_dir: Path, name: str) -> None:
 
 
 def _plot(report: dict, path: Path) -> None:
-    """Output tokens/s per system and level; below, where our target-only ran every round, each
-    system's same-round ratios to it (a dot per round, a bar at their median): a control beside
+    """Output tokens/s per system and level; below, where our target-only ran, each system's
+    same-round ratios to it (a dot per round, a bar at their median): a control beside
     the others (``ours_target_only_aa``) shows how far apart identical engines read."""
     import matplotlib
     matplotlib.use("Agg")
