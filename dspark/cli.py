@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the commands import what they need when they run: `dspark --help` stays fast
     from dspark.engine.sps import SpsTable
 
+# the batch sizes `dspark profile` times and reports by default (the by-rows grid, the drafter's pass)
+PROFILE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
 
 def _common(p: argparse.ArgumentParser, default_config: str | None = "quickstart") -> None:
     p.add_argument("-c", "--config", default=default_config, help="run profile name or YAML path")
@@ -142,7 +145,7 @@ def cmd_profile(args) -> None:
         from dspark.training.checkpoint import load_checkpoint
 
         drafter = load_checkpoint(ckpt, target)[0].to(args.device)
-        rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r * (cfg.target.block_size + 1) <= args.max_tokens] or [1]
+        rows = [r for r in PROFILE_ROWS if r * (cfg.target.block_size + 1) <= args.max_tokens] or [1]
         table.draft_requests = rows
         table.draft_seconds = profile_draft_cost(drafter, rows, context=args.context, repeats=args.repeats)
         table.draft_append_seconds = profile_append_cost(drafter, repeats=args.repeats)
@@ -175,7 +178,7 @@ def break_even_lines(table: SpsTable) -> list[str]:
     from dspark.engine.sps import StepCosts
 
     costs = StepCosts(table)
-    rows = table.batch_rows or [r for r in (1, 2, 4, 8, 16, 32, 64) if r + 1 < table.tokens[-1]]
+    rows = table.batch_rows or [r for r in PROFILE_ROWS if r + 1 < table.tokens[-1]]
     lines = ["where a draft can pay: the survival a first draft beside R rows needs to be verified"]
     for R in rows:
         sps = costs(R)
@@ -313,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, help="timed steps per point (default: 5 sweeps on the CPU, 20 on a GPU)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64",
+    p.add_argument("--rows", default=",".join(map(str, PROFILE_ROWS)),
                    help="row counts of the by-rows grid (steps of R rows plus drafts; '' for none): size it to the "
                         "batches you serve")
     p.add_argument("--output", help="SPS JSON path (default: <run>/sps.json)")
