@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, help="timed steps per point (default: 5 sweeps on the CPU, 20 on a GPU)")
+    p.add_argument("--repeats", type=int, help="timed steps per point (default: 15 sweeps on the CPU, 20 on a GPU)")
     p.add_argument("--rows", default=",".join(map(str, PROFILE_ROWS)),
                    help="row counts of the by-rows grid (steps of R rows plus drafts; '' for none): size it to the "
                         "batches you serve")

@@ -272,8 +272,9 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
     The steps run the way the engine runs them (``EngineConfig.static_steps``): on a GPU,
     ``auto`` replays CUDA graphs of the padded (rows, query) buckets, whose cost is what the
     scheduler trades against; on the CPU the ragged eager forward. ``repeats`` (sweeps over all
-    counts, interleaved: ``profile_sps``) defaults to 5 on the CPU (a step takes 0.05-4 s) and 20
-    on a GPU, after 5 warm-up steps that bring the clocks up.
+    counts, interleaved: ``profile_sps``) defaults to ``CPU_SWEEPS`` on the CPU (a step takes
+    0.02-1 s; about 6 minutes on 2 cores) and 20 on a GPU, after 5 warm-up steps that bring the
+    clocks up.
 
     ``batch_rows``: also time the by-rows grid (``engine/sps.py``): for each R, a step of R rows
     of one token over ``context`` plus ``e`` drafts in blocks of K on the first rows, for e in
@@ -300,7 +301,7 @@ def profile_target_sps(target, block_size: int, context: int = 256, max_tokens: 
         rows = max(1, -(-B // (block_size + 1)))
         run([B // rows + (1 if i < B % rows else 0) for i in range(rows)])
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
-    warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or 5)
+    warmup, repeats = (5, repeats or 20) if on_gpu else (1, repeats or CPU_SWEEPS)
     table = profile_sps(step, counts, warmup=warmup, repeats=repeats, sync=sync, device=str(runner.device),
                         engine=f"dspark TargetRunner ({kind}) {target.profile.name} ctx={context}", allow_flat=allow_flat)
     if batch_rows:
@@ -391,6 +392,11 @@ def prime_cache(runner: TargetRunner, rows: int, context: int) -> None:
         runner.k[:, r, :, :context] = runner.k[:, 0, :, :context]
         runner.v[:, r, :, :context] = runner.v[:, 0, :, :context]
 
+
+# Sweeps of a CPU profile: beside 16 or more rows a draft's price (2-3 ms on a 2-core host) is inside a
+# step's jitter, and it decides whether any draft pays there; a few sweeps can price the first drafts
+# far below what the engine's steps pay for them (docs/benchmarks/sps_rows_epyc.md).
+CPU_SWEEPS = 15
 
 # drafts beyond the anchors at which each row count of the by-rows grid is timed (up to R * K)
 ROW_EXTRA_TOKENS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
