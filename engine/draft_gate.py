@@ -73,13 +73,16 @@ class DraftGate:
                  horizon: float = 16.0, prior_rows: float = 4.0, probe_rows: int = 4,
                  probe_budget: float = 0.005, probe_growth: float = 2.0,
                  draft_time: Callable[[int], float] | None = None,
-                 free_share: float = 0.0, catchup_time: Callable[[int], float] | None = None) -> None:
+                 free_share: float = 0.0, catchup_time: Callable[[int], float] | None = None,
+                 row_drafts: int | None = None) -> None:
         """``draft_time(rows)``: seconds of the gated proposer's pass (``Proposer.cost().seconds``);
         default the table's profiled drafter pass. ``catchup_time(rows)``: seconds that ``rows``
         rows which skipped drafting for a while spend catching up their context first
         (``ProposerCost.catchup_seconds``), part of a probe's price; default none. ``free_share``: a pass that costs less than this
         share of a plain step always runs (skipping it could save no more than that, and a cheap
-        proposer, such as suffix lookups, whose matches come and go, loses more by a wrong skip)."""
+        proposer, such as suffix lookups, whose matches come and go, loses more by a wrong skip).
+        ``row_drafts``: the most drafts the gated proposer makes for one row (``could_pay``'s best
+        case); None: no bound but the step's budget."""
         if draft_time is None and not table.has_draft_cost:
             raise ValueError(f"{table.source}: the SPS table has no drafter cost; profile it with the drafter "
                              "(dspark profile --checkpoint ...)")
@@ -97,6 +100,8 @@ class DraftGate:
             raise ValueError(f"probe_growth must be > 1, got {probe_growth}")
         if not 0.0 < probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
+        if row_drafts is not None and row_drafts < 1:
+            raise ValueError(f"row_drafts must be >= 1, got {row_drafts}")
         self.table = table
         self.draft_time = draft_time if draft_time is not None else table.draft_time
         self.catchup_time = catchup_time if catchup_time is not None else (lambda rows: 0.0)
@@ -109,6 +114,8 @@ class DraftGate:
         self.probe_budget = probe_budget
         self.probe_growth = probe_growth
         self.free_share = free_share
+        self.row_drafts = row_drafts
+        self._could_pay: dict[tuple[int, int, int, int | None], bool] = {}  # by its arguments: asked every step
         self.reset()
 
     def reset(self) -> None:
@@ -192,18 +199,34 @@ class DraftGate:
 
     def could_pay(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
                   budget: int | None = None) -> bool:
-        """Whether drafting could pay in this step at best: one row drafted and every one of the
-        ``v <= budget`` drafts the step can verify accepted, for the best ``v``. Without a budget, or
-        with one of a draft per row or more, assumed so. Where it cannot (a drafter pass beside a
-        large batch whose scheduler verifies one draft at most), the gate neither drafts nor
-        probes: no acceptance a probe could measure would change the decision."""
+        """Whether drafting could pay in this step at best: every draft verified is accepted, drafted
+        by one of the ``requests`` rows or by all of them (the pass's price per row falls with the
+        rows), with ``v`` drafts each, up to ``row_drafts`` per row and ``budget`` in all, for the
+        best ``v``. Without either bound, assumed so. Where it cannot (a drafter pass beside a large
+        batch on a host where a verified draft costs about a row's token), the gate neither drafts
+        nor probes: no acceptance a probe could measure would change the decision."""
         batch = _step_rows(requests, batch_rows)
-        if budget is None or budget >= batch:
+        key = (requests, batch, prompt_tokens, budget)
+        known = self._could_pay.get(key)
+        if known is None:
+            if len(self._could_pay) >= 4096:  # prompt chunk sizes vary: keep the memo bounded
+                self._could_pay.clear()
+            known = self._could_pay[key] = self._pays_at_best(requests, batch, prompt_tokens, budget)
+        return known
+
+    def _pays_at_best(self, requests: int, batch: int, prompt_tokens: int, budget: int | None) -> bool:
+        """``could_pay`` without the memo."""
+        if budget is None and self.row_drafts is None:
             return True
         t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
-        draft = self.draft_time(1)
-        return any((batch + v) / batch * t_plain >= draft + self._step_time(batch, batch + v, prompt_tokens)
-                   for v in range(1, budget + 1))
+        for n in sorted({1, requests}):
+            per_row = self.row_drafts if self.row_drafts is not None else budget
+            most = n * per_row if budget is None else min(budget, n * per_row)
+            draft = self.draft_time(n)
+            for total in range(n, most + 1, n):  # v = total / n drafts on each of the n rows
+                if (batch + total) / batch * t_plain >= draft + self._step_time(batch, batch + total, prompt_tokens):
+                    return True
+        return False
 
     def expects_skipping(self, requests: int) -> bool:
         """Whether the coming step at ``requests`` rows is expected to leave some undrafted, before it
@@ -263,7 +286,7 @@ class DraftGate:
         """Whether drafting could not pay at all in a step of ``batch_rows`` rows (``could_pay``); if
         so the step is recorded as a skipped one, as ``rows_to_draft`` would record it, so that the
         caller need not look at any row's proposal or context."""
-        if self.could_pay(1, batch_rows, prompt_tokens, budget):
+        if self.could_pay(batch_rows, batch_rows, prompt_tokens, budget):
             return False
         self._skipped_step(futile=True)
         return True

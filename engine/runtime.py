@@ -205,7 +205,7 @@ class SpecEngine:
         budget = {"probe_budget": HYBRID_PROBE_BUDGET} if self.suffix is not None else {}  # alone: the default
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=cost.seconds,
                          catchup_time=cost.catchup_seconds, probe_rows=NEURAL_PROBE_ROWS,
-                         probe_growth=NEURAL_PROBE_GROWTH, **budget)
+                         probe_growth=NEURAL_PROBE_GROWTH, row_drafts=self.neural.max_drafts, **budget)
 
     def _make_suffix_gate(self, sps, sched: str) -> DraftGate | None:
         """The same gate over the suffix lookups (their host cost against their realised gain),
@@ -217,7 +217,8 @@ class SpecEngine:
                 and isinstance(sps, SpsTable)):
             return None
         return DraftGate(sps, max_tokens=self.cfg.max_batch * (self.K + 1), draft_time=self.suffix.cost().seconds,
-                         prior_rows=1.0, free_share=0.02, probe_budget=SUFFIX_PROBE_BUDGET)
+                         prior_rows=1.0, free_share=0.02, probe_budget=SUFFIX_PROBE_BUDGET,
+                         row_drafts=self.suffix.max_drafts)
 
     # -- the neural drafter's runner and backlog bound (tests and tools reach the drafter here) ------
     @property

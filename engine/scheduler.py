@@ -243,9 +243,9 @@ def walk_draft_bound(sps: torch.Tensor, rows: int, limit: int | None = None) -> 
     Admitting a candidate of survival ``a`` at batch B + 1 needs ``(tau + a) SPS(B + 1) > tau
     SPS(B)``, i.e. ``1 + a / tau > t(B + 1) / t(B)`` (``t = 1 / SPS``). As ``a <= 1`` and
     ``tau >= rows``, no candidate passes a count where ``t(B + 1) / t(B) >= 1 + 1 / rows``, and
-    the walk stops at the first that does not pass. Beside 64 one-token rows of a 2-core CPU
-    that is one draft (the 65th token costs nothing there, the 66th as much as a token), so a
-    step needs one proposal, not 64. A function of the table and the row count only, so it is
+    the walk stops at the first that does not pass. On a table where the 65th token beside 64
+    one-token rows costs nothing and the 66th as much as a token, that is one draft, so a step
+    needs one proposal, not 64. A function of the table and the row count only, so it is
     fixed before any draft exists and cannot bias the output."""
     n = sps.numel() - 1
     cap = n - rows if limit is None else min(int(limit), n - rows)

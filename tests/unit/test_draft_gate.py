@@ -222,6 +222,25 @@ def test_a_pass_that_could_not_pay_even_with_every_verifiable_draft_accepted_is_
     assert cheap.could_pay(16, budget=1)  # a cheap pass may pay for one accepted draft
 
 
+def test_at_best_a_pass_pays_for_every_row_drafting_and_not_where_no_row_count_could():
+    """``could_pay``'s best case drafts one row or all of them, ``row_drafts`` each, every draft accepted.
+    Beside 16 rows on a table where a verified draft (0.01 s) costs far less than a row's token
+    (0.07 s), one row cannot pay for a 0.5 s pass but 16 rows of 7 drafts can, unless the step
+    verifies 7 drafts in all. Beside 64 rows where a draft costs more than a row's token, no row
+    count pays for the pass: the gate calls such a step futile without looking at a row."""
+    gate = DraftGate(_table(draft_seconds=0.5, verify_slope=0.01), max_tokens=512, row_drafts=7)
+    assert gate.could_pay(16) and not gate.could_pay(16, budget=7)
+    assert not gate.could_pay(1, batch_rows=16)  # one row of the 16: the pass is paid for 7 drafts at most
+    dear = _table(draft_seconds=0.5, verify_slope=0.01)
+    dear.set_rows_grid([64], [[0, 1, 448]], [[1 / 1.0, 1 / 1.02, 1 / 9.96]])  # a draft 0.02 s, a row's token 1/64 s
+    futile = DraftGate(dear, max_tokens=512, row_drafts=7)
+    assert not futile.could_pay(64) and not futile.could_pay(64, budget=448)
+    assert futile.skip_if_futile(64) and futile.steps_to_probe == futile.max_probe
+    assert DraftGate(dear, max_tokens=512).could_pay(64), "with no bound on the drafts it cannot tell: assumed so"
+    with pytest.raises(ValueError, match="row_drafts"):
+        DraftGate(dear, max_tokens=512, row_drafts=0)
+
+
 def test_skipping_is_expected_before_the_first_decision_only_where_a_probe_is_part_of_the_batch():
     gate = DraftGate(_table(draft_seconds=0.5), max_tokens=64, probe_rows=3)
     assert not gate.expects_skipping(1) and not gate.expects_skipping(3)  # the first probe drafts them all
@@ -287,8 +306,10 @@ def test_engine_probes_draft_only_the_least_recently_drafted_rows_and_stay_lossl
     jobs = [(f"r{i}", list(range(7 + i, 20 + 2 * i)), SamplingParams(max_tokens=24)) for i in range(6)]
     sampled = ("s", [9, 10, 11], SamplingParams(max_tokens=24, temperature=0.9, top_k=8, seed=3))
     base = run_to_completion(SpecEngine(target, None, EngineConfig(mode="target_only", max_batch=7)), jobs)
+    # a pass as dear as a step: it would pay only for drafts this untrained drafter does not make, so the
+    # gate skips it and probes (a pass that could not pay at all would not even be probed: could_pay)
     engine = SpecEngine(target, drafter, EngineConfig(mode="spec", scheduler="algorithm1", max_batch=7),
-                        sps=_table(draft_seconds=10.0, verify_slope=0.01))
+                        sps=_table(draft_seconds=1.0, verify_slope=0.01))
     engine.gate.probe_rows = 2
     drafted_slots: list[list[int]] = []
     propose = engine.draft_runner.propose
@@ -350,10 +371,12 @@ def test_gated_rows_takes_the_least_recently_drafted_rows_in_row_order():
     assert gated_rows(gate, [0, 1, 2, 3], [5, 1, 3, 1]) == [1, 3]  # no history yet: a 2-row probe
 
 
-@pytest.mark.parametrize("host_seconds", [0.0, 100.0])  # free / ruinous lookups
+@pytest.mark.parametrize("host_seconds", [0.0, 0.5, 100.0])  # free / dear / ruinous lookups
 def test_suffix_lookups_are_gated_by_their_host_cost_and_stay_token_identical(host_seconds):
-    """The suffix gate skips the lookups where their host cost outweighs what they gain
-    (probing now and then); either way every request gets exactly target-only's tokens."""
+    """The suffix gate skips the lookups where their host cost outweighs what they gain, probing
+    now and then where they could pay at best (0.5 s a row against 1 s steps: 4 rows with 3
+    accepted drafts each would), never where they could not (100 s a row); every request gets
+    exactly target-only's tokens."""
     from dspark.engine.proposers import SuffixConfig
 
     target = make_tiny_target()
@@ -367,8 +390,10 @@ def test_suffix_lookups_are_gated_by_their_host_cost_and_stay_token_identical(ho
     looked = record_rows(engine.suffix, "propose")
     assert run_to_completion(engine, jobs) == base
     steps = engine.stats.decode_steps
-    if host_seconds:
-        assert 0 < len(looked) < steps / 2, f"{len(looked)} lookup steps of {steps}: the ruinous lookups were not skipped"
+    if host_seconds > 1.0:
+        assert not looked and not engine.suffix_gate.could_pay(4, budget=12)
+    elif host_seconds:
+        assert 0 < len(looked) < steps / 2, f"{len(looked)} lookup steps of {steps}: the dear lookups were not skipped"
     else:
         assert len(looked) == steps, "free lookups must run on every decode step"
         assert engine.stats.by_proposer["suffix"].accepted > 0
