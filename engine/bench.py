@@ -395,7 +395,7 @@ def prime_cache(runner: TargetRunner, rows: int, context: int) -> None:
 
 # Sweeps of a CPU profile: beside 16 or more rows a draft's price (2-3 ms on a 2-core host) is inside a
 # step's jitter, and it decides whether any draft pays there; a few sweeps can price the first drafts
-# far below what the engine's steps pay for them (docs/benchmarks/sps_rows_epyc.md).
+# far below what the engine's steps pay for them (docs/benchmarks/sps_rows_epyc15.md).
 CPU_SWEEPS = 15
 
 # drafts beyond the anchors at which each row count of the by-rows grid is timed (up to R * K)
