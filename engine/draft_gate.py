@@ -215,7 +215,9 @@ class DraftGate:
         return known
 
     def _pays_at_best(self, requests: int, batch: int, prompt_tokens: int, budget: int | None) -> bool:
-        """``could_pay`` without the memo."""
+        """``could_pay`` without the memo. Only the two ends of the row count are tried: where the pass's
+        price is concave in the rows and a step's price linear in its drafts (the profiled tables),
+        "n rows' drafts pay" is a convex condition in n, so if neither end meets it no count between does."""
         if budget is None and self.row_drafts is None:
             return True
         t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
