@@ -221,8 +221,8 @@ class DraftGate:
         if budget is None and self.row_drafts is None:
             return True
         t_plain = self._step_time(batch, prompt_tokens=prompt_tokens)
+        per_row = self.row_drafts if self.row_drafts is not None else budget
         for n in sorted({1, requests}):
-            per_row = self.row_drafts if self.row_drafts is not None else budget
             most = n * per_row if budget is None else min(budget, n * per_row)
             draft = self.draft_time(n)
             for total in range(n, most + 1, n):  # v = total / n drafts on each of the n rows
