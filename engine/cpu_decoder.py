@@ -5,7 +5,7 @@ projections, rotary embedding, cache writes, attention, residuals, the gated MLP
 request at a time that is about a thousand dispatches whose bookkeeping costs a third as
 much as streaming the weights. ``DecoderStack`` holds the layers' weights (the target's own
 tensors, not copies) and runs the whole stack in C++: RMSNorm, the q/k/v/o and MLP products
-on weights packed once (``cpu_gemm``), the Qwen3 per-head q/k
+on weights packed once per target in a process (``cpu_gemm``, ``shared_stack``), the Qwen3 per-head q/k
 norms where the target has them, rotary embedding, the cache writes and the packed varlen
 attention of ``cpu_attention``, with the arithmetic of the Python layer
 (``TargetRunner._layer``): the same operations in the same order per element, so the two
@@ -19,6 +19,8 @@ CPU); the runner keeps its Python layer for every other case.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from dspark.training import cpu_gemm, cpu_linear
@@ -26,7 +28,7 @@ from dspark.plugins.cpu_build import CpuExtension
 
 from . import cpu_attention
 
-__all__ = ["available", "supports", "DecoderStack"]
+__all__ = ["available", "supports", "shared_stack", "DecoderStack"]
 
 _STACK_SOURCE = r"""
 #include <pybind11/stl.h>
@@ -234,19 +236,51 @@ def _norm_eps(norm: torch.nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
+def _layer_tensors(target) -> list[list[torch.Tensor | None]]:
+    """Per layer the 15 tensors ``DecoderStack`` takes, in its order."""
+    layers = []
+    for layer in target.layers:
+        a, m = layer.self_attn, layer.mlp
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        layers.append([layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                       a.o_proj.weight, layer.post_attention_layernorm.weight, m.gate_proj.weight,
+                       m.up_proj.weight, m.down_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias,
+                       a.o_proj.bias, None if qn is None else qn.weight, None if kn is None else kn.weight])
+    return layers
+
+
+# target -> (n_heads, n_kv, head_dim, capture, packed) -> (the weights' fingerprint, its stack)
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_stack(target, n_heads: int, n_kv: int, head_dim: int, capture: list[int]) -> DecoderStack:
+    """The target's ``DecoderStack``, packed once per process: every runner on one target gets the
+    same stack (it holds weights only; each runner passes its own caches).
+
+    One packed copy per target, not per engine: engines that run side by side in one process (the
+    lockstep benchmarks, a target-only and a speculative engine on one loaded target) then read
+    the same weight memory, and a copy's own speed does not enter their comparison (separately
+    packed copies of one target ran a step up to 5% apart on a 2-core host, the first packed the
+    slowest), nor does a second copy's memory. The stack is rebuilt when the target's weights
+    were replaced or changed in place since it was packed (their storage or version counters),
+    or when the packing choice (``DSPARK_CPU_LINEAR``) differs."""
+    layers = _layer_tensors(target)
+    fingerprint = tuple((t.data_ptr(), t._version) for ts in layers for t in ts if t is not None)
+    key = (n_heads, n_kv, head_dim, tuple(capture), cpu_linear.mode() == "kernel")
+    stacks = _SHARED.setdefault(target, {})
+    held = stacks.get(key)
+    if held is None or held[0] != fingerprint:
+        held = stacks[key] = (fingerprint, DecoderStack(target, n_heads, n_kv, head_dim, capture))
+    return held[1]
+
+
 class DecoderStack:
-    """The target's decoder layers as one C++ call (``available()`` and ``supports`` first)."""
+    """The target's decoder layers as one C++ call (``available()`` and ``supports`` first;
+    runners take theirs from ``shared_stack``)."""
 
     def __init__(self, target, n_heads: int, n_kv: int, head_dim: int, capture: list[int]):
         """Packs the projections once (``cpu_gemm``) unless ``DSPARK_CPU_LINEAR=flinear``."""
-        layers = []
-        for layer in target.layers:
-            a, m = layer.self_attn, layer.mlp
-            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-            layers.append([layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
-                           a.o_proj.weight, layer.post_attention_layernorm.weight, m.gate_proj.weight,
-                           m.up_proj.weight, m.down_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias,
-                           a.o_proj.bias, None if qn is None else qn.weight, None if kn is None else kn.weight])
+        layers = _layer_tensors(target)
         for tensors in layers:
             for t in tensors:
                 if t is not None and not t.is_contiguous():

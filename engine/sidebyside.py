@@ -28,8 +28,10 @@ rotating order (``run_order``). By default (``--order lockstep``) our systems ru
 one process on one loaded target, one engine step of each in turn, the first of the turn
 rotating (``lockstep``), each timed by its own steps only: the host's speed drifts by tens of
 percent over seconds to minutes, and lockstep puts the same drift on both sides of our
-same-round ratios. The order in which such a process builds its engines rotates by round (in
-three short runs the one built second ran its forward passes 0.1-1.4% slower). Each peer runs a
+same-round ratios. The engines of such a process share the target's packed weights
+(``cpu_decoder.shared_stack``): engines that packed copies of their own ran as fast as their copy,
+the first built 1-3% slower than the third in every A/A/A lockstep of three target-only engines,
+so the build order entered the ratios; the order still rotates by round. Each peer runs a
 level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
 each temperature, one request at a time (``--prompts-1`` requests x ``--new-tokens-1``) and
@@ -933,8 +935,8 @@ def main(argv: Sequence[str] | None = None, defaults: dict | None = None, comman
         lvs = levels_for(group[0], lvs, peer_t, peer_b)  # a lockstep group is ours: every level
         if not lvs:
             continue
-        # a lockstep worker builds its engines in this order; in three short runs the one built second ran its
-        # forward passes 0.1-1.4% slower, whichever it was (decode_b64_evidence.md), so the order rotates by round
+        # a lockstep worker builds its engines in this order, rotating by round (they share the packed weights,
+        # whose separate copies once made the build order matter: cpu_decoder.shared_stack)
         k = rnd % len(group)
         spec = {"systems": list(group[k:] + group[:k]), "levels": [dataclasses.asdict(lv) for lv in lvs],
                 **{k2: getattr(args, k2) for k2 in ("prompts_per_task", "data_root", "threads", "tasks",

@@ -207,7 +207,7 @@ class TargetRunner:
             if layers == "fused":
                 raise ValueError(f"layers='fused': {why}")
             return None
-        return cpu_decoder.DecoderStack(target, self.n_heads, self.n_kv, self.head_dim, self.layer_ids)
+        return cpu_decoder.shared_stack(target, self.n_heads, self.n_kv, self.head_dim, self.layer_ids)
 
     # -- slot management ----------------------------------------------------------------------
     def _ensure_capacity(self, needed: int) -> None:

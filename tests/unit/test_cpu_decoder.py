@@ -9,6 +9,7 @@ from dspark.engine import cpu_decoder
 from dspark.engine.api import SamplingParams
 from dspark.engine.runtime import EngineConfig, SpecEngine
 from dspark.engine.target_runner import TargetRunner
+from dspark.training import cpu_linear
 
 from ..conftest import make_tiny_target, run_to_completion
 
@@ -129,3 +130,26 @@ def test_real_target_logits_are_the_same_bits_alone_and_in_a_batch(smollm2):
         crowd.set_length(s, len(p))
     both = crowd.forward([0, 1, 2], [[1, 2, 3, 4], [5], [6, 7]]).logits[0]
     assert torch.equal(both, solo)
+
+
+def test_runners_on_one_target_share_its_packed_stack_until_its_weights_change(monkeypatch):
+    """One packed copy per target: a second runner (a second engine in the same process) reads the
+    same weight memory; a weight changed in place, or another packing choice, gets a new stack
+    that computes with the new weights."""
+    target = make_tiny_target("llama")
+    first = TargetRunner(target, max_slots=2, max_context=64, layers="fused")
+    second = TargetRunner(target, max_slots=4, max_context=32, layers="fused")
+    assert first.stack is second.stack
+    assert TargetRunner(make_tiny_target("llama"), max_slots=2, max_context=64, layers="fused").stack is not first.stack
+    before = first.forward([0], [[7, 8, 9]]).logits
+    with torch.no_grad():
+        target.layers[0].mlp.up_proj.weight.mul_(2.0)
+    changed = TargetRunner(target, max_slots=2, max_context=64, layers="fused")
+    assert changed.stack is not first.stack
+    after = changed.forward([0], [[7, 8, 9]]).logits
+    want = TargetRunner(target, max_slots=2, max_context=64, layers="torch").forward([0], [[7, 8, 9]]).logits
+    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before)
+    other = "flinear" if cpu_linear.mode() == "kernel" else "kernel"
+    monkeypatch.setenv("DSPARK_CPU_LINEAR", other)
+    assert TargetRunner(target, max_slots=2, max_context=64, layers="fused").stack is not changed.stack
