@@ -5,7 +5,7 @@ projections, rotary embedding, cache writes, attention, residuals, the gated MLP
 request at a time that is about a thousand dispatches whose bookkeeping costs a third as
 much as streaming the weights. ``DecoderStack`` holds the layers' weights (the target's own
 tensors, not copies) and runs the whole stack in C++: RMSNorm, the q/k/v/o and MLP products
-on weights packed once per target in a process (``cpu_gemm``, ``shared_stack``), the Qwen3 per-head q/k
+on weights packed once and shared by the engines on one target (``cpu_gemm``, ``shared_stack``), the Qwen3 per-head q/k
 norms where the target has them, rotary embedding, the cache writes and the packed varlen
 attention of ``cpu_attention``, with the arithmetic of the Python layer
 (``TargetRunner._layer``): the same operations in the same order per element, so the two
@@ -249,7 +249,7 @@ def _layer_tensors(target) -> list[list[torch.Tensor | None]]:
     return layers
 
 
-# target -> (n_heads, n_kv, head_dim, capture, packed) -> (the weights' fingerprint, its stack)
+# target -> (n_heads, n_kv, head_dim, capture, packed) -> (the weights' fingerprint, a weak reference to its stack)
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -261,17 +261,20 @@ def shared_stack(target, n_heads: int, n_kv: int, head_dim: int, capture: list[i
     lockstep benchmarks, a target-only and a speculative engine on one loaded target) then read
     the same weight memory, and a copy's own speed does not enter their comparison (separately
     packed copies of one target ran a step up to 5% apart on a 2-core host, the first packed the
-    slowest), nor does a second copy's memory. The stack is rebuilt when the target's weights
-    were replaced or changed in place since it was packed (their storage or version counters),
-    or when the packing choice (``DSPARK_CPU_LINEAR``) differs."""
+    slowest), nor does a second copy's memory. The stack lives while a runner holds it (the
+    packed copy is not kept for a target that runs no engine). It is rebuilt when the target's
+    weights were replaced or changed in place since it was packed (their storage or version
+    counters), or when the packing choice (``DSPARK_CPU_LINEAR``) differs."""
     layers = _layer_tensors(target)
     fingerprint = tuple((t.data_ptr(), t._version) for ts in layers for t in ts if t is not None)
     key = (n_heads, n_kv, head_dim, tuple(capture), cpu_linear.mode() == "kernel")
     stacks = _SHARED.setdefault(target, {})
     held = stacks.get(key)
-    if held is None or held[0] != fingerprint:
-        held = stacks[key] = (fingerprint, DecoderStack(target, n_heads, n_kv, head_dim, capture))
-    return held[1]
+    stack = held[1]() if held is not None and held[0] == fingerprint else None
+    if stack is None:
+        stack = DecoderStack(target, n_heads, n_kv, head_dim, capture)
+        stacks[key] = (fingerprint, weakref.ref(stack))
+    return stack
 
 
 class DecoderStack:

@@ -2,6 +2,9 @@
 logits, features and cache writes to float32 rounding, and the same greedy tokens."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -153,3 +156,13 @@ def test_runners_on_one_target_share_its_packed_stack_until_its_weights_change(m
     other = "flinear" if cpu_linear.mode() == "kernel" else "kernel"
     monkeypatch.setenv("DSPARK_CPU_LINEAR", other)
     assert TargetRunner(target, max_slots=2, max_context=64, layers="fused").stack is not changed.stack
+
+
+def test_a_shared_stack_lives_while_a_runner_holds_it():
+    target = make_tiny_target("llama")
+    runner = TargetRunner(target, max_slots=2, max_context=64, layers="fused")
+    gone = weakref.ref(runner.stack)
+    del runner
+    gc.collect()
+    assert gone() is None  # no engine on the target: its packed copy is freed
+    assert TargetRunner(target, max_slots=2, max_context=64, layers="fused").stack is not None
