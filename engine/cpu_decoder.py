@@ -5,10 +5,10 @@ projections, rotary embedding, cache writes, attention, residuals, the gated MLP
 request at a time that is about a thousand dispatches whose bookkeeping costs a third as
 much as streaming the weights. ``DecoderStack`` holds the layers' weights (the target's own
 tensors, not copies) and runs the whole stack in C++: RMSNorm, the q/k/v/o and MLP products
-on weights packed once and shared by the engines on one target (``cpu_gemm``, ``shared_stack``), the Qwen3 per-head q/k
-norms where the target has them, rotary embedding, the cache writes and the packed varlen
-attention of ``cpu_attention``, with the arithmetic of the Python layer
-(``TargetRunner._layer``): the same operations in the same order per element, so the two
+on weights packed once and shared by the engines on one target (``cpu_gemm``,
+``shared_stack``), the Qwen3 per-head q/k norms where the target has them, rotary embedding,
+the cache writes and the packed varlen attention of ``cpu_attention``, with the arithmetic of
+the Python layer (``TargetRunner._layer``): the same operations in the same order per element, so the two
 agree to float32 rounding of the reductions (norm means, softmax sums), which the tests
 check along with identical greedy decoding.
 
@@ -254,13 +254,13 @@ _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_stack(target, n_heads: int, n_kv: int, head_dim: int, capture: list[int]) -> DecoderStack:
-    """The target's ``DecoderStack``, packed once per process: every runner on one target gets the
-    same stack (it holds weights only; each runner passes its own caches).
+    """The target's ``DecoderStack``: every runner on one target gets the same stack while any
+    holds it (it holds weights only; each runner passes its own caches).
 
     One packed copy per target, not per engine: engines that run side by side in one process (the
     lockstep benchmarks, a target-only and a speculative engine on one loaded target) then read
     the same weight memory, and a copy's own speed does not enter their comparison (separately
-    packed copies of one target ran a step up to 5% apart on a 2-core host, the first packed the
+    packed copies of one target ran a step 1-6% apart on a 2-core host, the first packed the
     slowest), nor does a second copy's memory. The stack lives while a runner holds it (the
     packed copy is not kept for a target that runs no engine). It is rebuilt when the target's
     weights were replaced or changed in place since it was packed (their storage or version

@@ -30,7 +30,7 @@ rotating (``lockstep``), each timed by its own steps only: the host's speed drif
 percent over seconds to minutes, and lockstep puts the same drift on both sides of our
 same-round ratios. The engines of such a process share the target's packed weights
 (``cpu_decoder.shared_stack``): engines that packed copies of their own ran as fast as their copy,
-the first built 1-3% slower than the third in every A/A/A lockstep of three target-only engines,
+the first built 1-6% slower than the third in every A/A/A lockstep of three target-only engines,
 so the build order entered the ratios; the order still rotates by round. Each peer runs a
 level in a process of its own, right before or after ours. ``--order levels`` gives every
 system and level its own process; ``--order systems`` one process per system and round. Levels: for
