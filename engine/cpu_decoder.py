@@ -8,9 +8,9 @@ tensors, not copies) and runs the whole stack in C++: RMSNorm, the q/k/v/o and M
 on weights packed once and shared by the engines on one target (``cpu_gemm``,
 ``shared_stack``), the Qwen3 per-head q/k norms where the target has them, rotary embedding,
 the cache writes and the packed varlen attention of ``cpu_attention``, with the arithmetic of
-the Python layer (``TargetRunner._layer``): the same operations in the same order per element, so the two
-agree to float32 rounding of the reductions (norm means, softmax sums), which the tests
-check along with identical greedy decoding.
+the Python layer (``TargetRunner._layer``): the same operations in the same order per element,
+so the two agree to float32 rounding of the reductions (norm means, softmax sums), which the
+tests check along with identical greedy decoding.
 
 Built on first use like the kernels it includes (``plugins/cpu_build.py``);
 ``available()`` says whether it built. ``supports(target)`` says whether a target's layers
@@ -261,10 +261,10 @@ def shared_stack(target, n_heads: int, n_kv: int, head_dim: int, capture: list[i
     lockstep benchmarks, a target-only and a speculative engine on one loaded target) then read
     the same weight memory, and a copy's own speed does not enter their comparison (separately
     packed copies of one target ran a step 1-6% apart on a 2-core host, the first packed the
-    slowest), nor does a second copy's memory. The stack lives while a runner holds it (the
-    packed copy is not kept for a target that runs no engine). It is rebuilt when the target's
-    weights were replaced or changed in place since it was packed (their storage or version
-    counters), or when the packing choice (``DSPARK_CPU_LINEAR``) differs."""
+    slowest), nor does a second copy's memory. Held weakly here: a target that runs no engine
+    keeps no packed copy. Rebuilt when the target's weights were replaced or changed in place
+    since it was packed (their storage or version counters), or when the packing choice
+    (``DSPARK_CPU_LINEAR``) differs."""
     layers = _layer_tensors(target)
     fingerprint = tuple((t.data_ptr(), t._version) for ts in layers for t in ts if t is not None)
     key = (n_heads, n_kv, head_dim, tuple(capture), cpu_linear.mode() == "kernel")
