@@ -119,6 +119,7 @@ class DraftGate:
         self.reset()
 
     def reset(self) -> None:
+        self._verdicts: dict[tuple[int, int, int, int | None], str] = {}  # _verdict's, until the estimates move
         # decayed sums over drafted request-steps: rows, drafts accepted, drafts verified
         self._rows = self._accepted = self._verified = 0.0
         self.probe = self.min_probe
@@ -246,16 +247,16 @@ class DraftGate:
         ``requests``; the others ride along) and ``prompt_tokens`` prompt tokens that verifies at most
         ``budget`` drafts: all when drafting is predicted to pay, none when it is not,
         ``min(probe_rows, requests)`` on a probe step."""
-        batch = _step_rows(requests, batch_rows)
+        verdict = self._verdict(requests, batch_rows, prompt_tokens, budget)
         self.futile = False
-        if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
+        if verdict == "cheap":
             rows = requests  # too cheap to gate
-        elif not self.could_pay(requests, batch_rows, prompt_tokens, budget):
+        elif verdict == "futile":
             self.skipped, self.futile = 0, True  # no probe either: nothing it measured would change this
             rows = 0
-        elif self.accepted is None:  # no history yet: measure with a probe's rows, not the whole batch
+        elif verdict == "unmeasured":  # no history yet: measure with a probe's rows, not the whole batch
             rows = min(self.probe_rows, requests)
-        elif self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0:  # ties draft: nothing to lose
+        elif verdict == "pays":
             self.skipped = 0
             self.probe = self.min_probe
             rows = requests
@@ -273,6 +274,30 @@ class DraftGate:
         else:
             self.skipped_steps += 1
         return rows
+
+    def _verdict(self, requests: int, batch_rows: int | None, prompt_tokens: int, budget: int | None) -> str:
+        """What ``rows_to_draft`` weighs, before its probe countdown: ``cheap`` (a pass under
+        ``free_share`` of a plain step), ``futile`` (``could_pay`` says no), ``unmeasured`` (no history
+        yet), ``pays`` (``expected_gain`` >= 1; ties draft: nothing to lose) or ``loses``. A function of
+        the arguments and the estimates, remembered until ``observe`` moves the estimates: a gate
+        that skips is asked the same question every step."""
+        key = (requests, _step_rows(requests, batch_rows), prompt_tokens, budget)
+        verdict = self._verdicts.get(key)
+        if verdict is not None:
+            return verdict
+        batch = key[1]
+        if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
+            verdict = "cheap"
+        elif not self.could_pay(requests, batch_rows, prompt_tokens, budget):
+            verdict = "futile"
+        elif self.accepted is None:
+            verdict = "unmeasured"
+        else:
+            verdict = "pays" if self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0 else "loses"
+        if len(self._verdicts) >= 4096:  # prompt chunk sizes vary: keep the memo bounded
+            self._verdicts.clear()
+        self._verdicts[key] = verdict
+        return verdict
 
     def skip_step(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
                   budget: int | None = None) -> None:
@@ -305,6 +330,7 @@ class DraftGate:
         """Record a drafted step: totals over its ``requests`` rows."""
         if requests <= 0:
             return
+        self._verdicts.clear()  # they weighed the old estimates
         keep = self.keep_per_row ** requests
         self._rows = keep * self._rows + requests
         self._accepted = keep * self._accepted + accepted
@@ -327,6 +353,8 @@ def gated_rows(gate: DraftGate | None, rows: list[int], last_drafted: Sequence[i
     n = gate.rows_to_draft(len(rows), batch_rows, prompt_tokens, budget)
     if n == len(rows):
         return rows
+    if n == 0:  # a skipped step: nothing to pick
+        return []
     return sorted(least_recent(rows, last_drafted, n))
 
 

@@ -601,28 +601,30 @@ class SpecEngine:
         """Accepted tokens into the target's cache, the proposers and the stats; then emit."""
         # host lists up front: indexing a tensor per row costs microseconds, times 64 rows per step
         n_acc = res.num_accepted.cpu().tolist()
+        lens_l = lens.tolist()
+        # a step without proposals (every gate skipped) has nothing to tell the policy or the gates
+        # but the suffix lookups it paid for
+        has = [n > 0 for n in batch.lens.cpu().tolist()] if batch.width > 0 else [False] * len(reqs)
         if batch.width > 0:  # the policy chose this step's lengths (_schedule): tell it what they won
             self.policy.observe([r.rid for r in reqs], n_acc)
-        lens_l = lens.tolist()
-        has = [n > 0 for n in batch.lens.cpu().tolist()]
-        if self.gate is not None and self.neural is not None:
-            mine = [i for i in range(len(reqs)) if has[i] and batch.source_of(i) == self.neural.name]
-            if mine:
-                self.gate.observe(len(mine), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
+            if self.gate is not None and self.neural is not None:
+                mine = [i for i in range(len(reqs)) if has[i] and batch.source_of(i) == self.neural.name]
+                if mine:
+                    self.gate.observe(len(mine), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         if self.suffix_gate is not None and self._suffix_looked:  # every row looked up paid for it
             mine = [i for i in self._suffix_looked if has[i] and batch.source_of(i) == self.suffix.name]
             self.suffix_gate.observe(len(self._suffix_looked), sum(lens_l[i] for i in mine), sum(n_acc[i] for i in mine))
         emitted = res.output_tokens.cpu().tolist()
         conf_logits = batch.conf_logits.cpu().tolist() if batch.conf_logits is not None else None
         conf = conf_logits if self.cfg.record_rounds else None
-        lengths = self.runner.lengths.tolist()
         self.stats.decode_steps += 1
+        slots = [r.slot for r in reqs]
         news = [emitted[i][: n_acc[i] + 1] for i in range(len(reqs))]
-        self._commit_to_proposers([r.slot for r in reqs], news, out, [n + 1 for n in n_acc])
+        self.runner.advance_lengths(slots, [n + 1 for n in n_acc])
+        self._commit_to_proposers(slots, news, out, [n + 1 for n in n_acc])
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
             new = news[i]
-            self.runner.set_length(r.slot, lengths[r.slot] + n + 1)
             r.steps += 1
             r.drafted += l_
             r.accepted += n

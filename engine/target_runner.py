@@ -229,6 +229,12 @@ class TargetRunner:
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
 
+    def advance_lengths(self, slots: list[int], counts: list[int]) -> None:
+        """Commit ``counts[i]`` more positions of ``slots[i]`` (distinct slots), in one tensor update:
+        a write per row costs microseconds, times 64 rows a step."""
+        index = torch.tensor(slots, dtype=torch.long)
+        self.lengths.index_add_(0, index, torch.tensor(counts, dtype=self.lengths.dtype))
+
     def move_slot(self, src: int, dst: int) -> None:
         """Compaction: the request in ``src`` now lives in ``dst``."""
         n = int(self.lengths[src])

@@ -127,13 +127,18 @@ class NeuralProposer(Proposer):
         Positions counted without features (the engine withholds those ``wants_features``
         declines), and those of a slot that keeps no context, are counted and dropped."""
         entries = []
+        known = self._slots
+        # a skipped drafter commits every row every step: the per-row test inlined (``_keeps_context``)
+        keep = None if not self.idle or self.keep is None else self.keep
         for i, s in enumerate(slots):
-            st = self._slots[s]
+            st = known[s]
             st.tokens.extend(map(int, tokens[i]))
             n = int(counts[i]) if counts is not None else 0
-            if n and (features is None or not self._keeps_context(s)):
+            if not n:
+                continue
+            if features is None or (keep is not None and s not in keep):
                 self._drop(st, n)
-            elif n:
+            else:
                 skip = self._cut_ahead(st, n) if self.idle else 0
                 entries.append((i, st, skip, n))
         if entries:

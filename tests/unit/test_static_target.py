@@ -132,3 +132,15 @@ def test_a_ragged_step_computes_each_row_as_the_model_does_on_its_whole_sequence
             torch.testing.assert_close(out.logits[r, : len(s)], ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(out.aux[r, : len(s)], full.aux[0, len(p):], atol=1e-4, rtol=1e-4)
             assert not out.logits[r, len(s):].any()  # padding cells are left empty
+
+
+def test_a_steps_committed_positions_advance_each_slots_length_alone():
+    """``advance_lengths`` (one tensor update per step) moves exactly the named slots, in any order,
+    through the static wrapper too."""
+    runner = TargetRunner(make_tiny_target(), max_slots=4, initial_capacity=8, max_context=64)
+    for s, n in enumerate((5, 9, 2, 7)):
+        runner.set_length(s, n)
+    runner.advance_lengths([2, 0], [3, 1])
+    assert runner.lengths.tolist() == [6, 9, 5, 7]
+    StaticTarget(runner, [4], [1, 2], use_graphs=False).advance_lengths([3, 1, 0], [1, 4, 2])
+    assert runner.lengths.tolist() == [8, 13, 5, 8]
