@@ -353,15 +353,17 @@ class EngineProbe:
         commit = engine._commit
 
         def recording_commit(reqs, batch, lens, res, *rest):
-            acc = res.num_accepted.cpu().tolist()
+            # host lists: three tensor reads per row cost the probed step about 0.2 ms beside 64 rows
+            acc, verified = res.num_accepted.cpu().tolist(), lens.tolist()
+            drafts = batch.lens.cpu().tolist() if batch.width > 0 else [0] * len(reqs)
             for i, r in enumerate(reqs):
-                source = batch.source_of(i) if int(batch.lens[i]) > 0 else "none"  # as the engine's stats
+                source = batch.source_of(i) if drafts[i] > 0 else "none"  # as the engine's stats
                 c = self.by_request[r.rid][source]
+                l_ = verified[i]
                 c[0] += 1
-                c[1] += int(lens[i])
+                c[1] += l_
                 c[2] += acc[i]
                 h = self.hist[r.rid][source]
-                l_ = int(lens[i])
                 h.extend([0] * (l_ + 1 - len(h)))
                 h[l_] += 1
             self.decode_steps += 1
