@@ -207,13 +207,8 @@ class DraftGate:
         batch on a host where a verified draft costs about a row's token), the gate neither drafts
         nor probes: no acceptance a probe could measure would change the decision."""
         batch = _step_rows(requests, batch_rows)
-        key = (requests, batch, prompt_tokens, budget)
-        known = self._could_pay.get(key)
-        if known is None:
-            if len(self._could_pay) >= 4096:  # prompt chunk sizes vary: keep the memo bounded
-                self._could_pay.clear()
-            known = self._could_pay[key] = self._pays_at_best(requests, batch, prompt_tokens, budget)
-        return known
+        return _remembered(self._could_pay, (requests, batch, prompt_tokens, budget),
+                           lambda: self._pays_at_best(requests, batch, prompt_tokens, budget))
 
     def _pays_at_best(self, requests: int, batch: int, prompt_tokens: int, budget: int | None) -> bool:
         """``could_pay`` without the memo. Only the two ends of the row count are tried: where the pass's
@@ -281,23 +276,17 @@ class DraftGate:
         yet), ``pays`` (``expected_gain`` >= 1; ties draft: nothing to lose) or ``loses``. A function of
         the arguments and the estimates, remembered until ``observe`` moves the estimates: a gate
         that skips is asked the same question every step."""
-        key = (requests, _step_rows(requests, batch_rows), prompt_tokens, budget)
-        verdict = self._verdicts.get(key)
-        if verdict is not None:
-            return verdict
-        batch = key[1]
-        if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
-            verdict = "cheap"
-        elif not self.could_pay(requests, batch_rows, prompt_tokens, budget):
-            verdict = "futile"
-        elif self.accepted is None:
-            verdict = "unmeasured"
-        else:
-            verdict = "pays" if self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0 else "loses"
-        if len(self._verdicts) >= 4096:  # prompt chunk sizes vary: keep the memo bounded
-            self._verdicts.clear()
-        self._verdicts[key] = verdict
-        return verdict
+        batch = _step_rows(requests, batch_rows)
+
+        def weigh() -> str:
+            if self.draft_time(requests) < self.free_share * self._step_time(batch, prompt_tokens=prompt_tokens):
+                return "cheap"
+            if not self.could_pay(requests, batch_rows, prompt_tokens, budget):
+                return "futile"
+            if self.accepted is None:
+                return "unmeasured"
+            return "pays" if self.expected_gain(requests, batch_rows, prompt_tokens, budget) >= 1.0 else "loses"
+        return _remembered(self._verdicts, (requests, batch, prompt_tokens, budget), weigh)
 
     def skip_step(self, requests: int, batch_rows: int | None = None, prompt_tokens: int = 0,
                   budget: int | None = None) -> None:
@@ -335,6 +324,16 @@ class DraftGate:
         self._rows = keep * self._rows + requests
         self._accepted = keep * self._accepted + accepted
         self._verified = keep * self._verified + verified
+
+
+def _remembered(memo: dict, key: tuple, compute: Callable[[], object]):
+    """``memo[key]``, computed by ``compute()`` on a miss. The memo is cleared when it holds 4096 keys:
+    the keys carry a step's prompt tokens, and prompt chunk sizes vary."""
+    if key not in memo:
+        if len(memo) >= 4096:
+            memo.clear()
+        memo[key] = compute()
+    return memo[key]
 
 
 def _step_rows(requests: int, batch_rows: int | None) -> int:
