@@ -620,8 +620,9 @@ class SpecEngine:
         self.stats.decode_steps += 1
         slots = [r.slot for r in reqs]
         news = [emitted[i][: n_acc[i] + 1] for i in range(len(reqs))]
-        self.runner.advance_lengths(slots, [n + 1 for n in n_acc])
-        self._commit_to_proposers(slots, news, out, [n + 1 for n in n_acc])
+        committed = [n + 1 for n in n_acc]  # each row's accepted drafts and its recovered / bonus token
+        self.runner.advance_lengths(slots, committed)
+        self._commit_to_proposers(slots, news, out, committed)
         for i, r in enumerate(reqs):
             n, l_ = n_acc[i], lens_l[i]
             new = news[i]

@@ -128,8 +128,7 @@ class NeuralProposer(Proposer):
         declines), and those of a slot that keeps no context, are counted and dropped."""
         entries = []
         known = self._slots
-        # a skipped drafter commits every row every step: the per-row test inlined (``_keeps_context``)
-        keep = None if not self.idle or self.keep is None else self.keep
+        keep = self._context_keepers()  # read once: a skipped drafter commits every row every step
         for i, s in enumerate(slots):
             st = known[s]
             st.tokens.extend(map(int, tokens[i]))
@@ -148,8 +147,13 @@ class NeuralProposer(Proposer):
         """False for a slot that keeps no context (outside ``keep`` while ``idle``)."""
         return [self._keeps_context(s) for s in slots]
 
+    def _context_keepers(self) -> frozenset[int] | None:
+        """The slots that keep context: ``keep`` while ``idle``; None: every slot."""
+        return self.keep if self.idle else None
+
     def _keeps_context(self, slot: int) -> bool:
-        return not self.idle or self.keep is None or slot in self.keep
+        keep = self._context_keepers()
+        return keep is None or slot in keep
 
     @staticmethod
     def _drop(st: _SlotContext, n: int) -> None:
